@@ -1,0 +1,65 @@
+"""kpipe: keep accelerators busy when training Keras 3 / TensorFlow models.
+
+Public API (everything else lives in private `_` modules):
+
+* `kpipe.ProcessLoader` -- run any `keras.utils.PyDataset` / `Sequence` in worker
+  processes that hand batches over through shared memory.
+* `kpipe.fit_generator` -- the Keras 2 `fit_generator` signature on top of it.
+* `kpipe.worker_info` / `kpipe.WorkerInfo` -- inside a worker: its id and seed.
+* `kpipe.data` -- tf.data sources and pipelines.
+* `kpipe.distribute` -- strategies, sharding, the large-minibatch recipe, launcher.
+* `kpipe.callbacks` -- `InputProfiler`, `Warmup`.
+
+Importing `kpipe` is cheap: TensorFlow and Keras are imported only when a name that needs
+them is first used, so loader worker processes never import TensorFlow on kpipe's account.
+"""
+
+import importlib
+
+from kpipe._engine.worker_info import WorkerInfo, worker_info
+from kpipe.errors import (
+    BatchStructureError,
+    BatchTimeoutError,
+    DatasetPicklingError,
+    LoaderClosedError,
+    WorkerDiedError,
+)
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; resolved on first access (PEP 562).
+_LAZY_ATTRS = {
+    "ProcessLoader": "kpipe.loader",
+    "fit_generator": "kpipe.fit",
+}
+_LAZY_MODULES = ("data", "distribute", "callbacks")
+
+__all__ = [
+    "BatchStructureError",
+    "BatchTimeoutError",
+    "DatasetPicklingError",
+    "LoaderClosedError",
+    "ProcessLoader",
+    "WorkerDiedError",
+    "WorkerInfo",
+    "callbacks",
+    "data",
+    "distribute",
+    "fit_generator",
+    "worker_info",
+]
+
+
+def __getattr__(name):
+    if name in _LAZY_ATTRS:
+        value = getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
+    elif name in _LAZY_MODULES:
+        value = importlib.import_module(f"kpipe.{name}")
+    else:
+        raise AttributeError(f"module 'kpipe' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

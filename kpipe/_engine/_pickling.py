@@ -1,0 +1,174 @@
+"""Sending datasets (and functions) to workers: cloudpickle, with big arrays shared.
+
+* cloudpickle pickles classes and functions defined in `__main__` or a notebook cell by
+  value, so they work in spawned workers.
+* NumPy arrays of at least `SHARE_MIN_BYTES` are not pickled: they are copied once into a
+  shared-memory segment and replaced by a reference; every worker maps the same pages
+  read-only. Re-sending the dataset after `on_epoch_end` compares each array with its
+  shared copy and rewrites only what changed (in-place edits included).
+* h5py objects, open files and locks cannot cross processes: the error names the attribute
+  and says to open the resource lazily.
+"""
+
+import io
+import pickle
+import weakref
+
+import cloudpickle
+import numpy as np
+
+from kpipe._engine import _pydataset_shim
+from kpipe._engine._shm import Segment, plan_layout
+from kpipe.errors import DatasetPicklingError
+
+SHARE_MIN_BYTES = 1 << 20
+_OK_KINDS = frozenset("biufc")
+
+
+class SharedArrays:
+    """Main-process registry of dataset arrays living in shared memory. Not thread-safe."""
+
+    def __init__(self):
+        self._by_id = {}  # id(array) -> key
+        self.entries = {}  # key -> [segment, weakref-or-None, layout]
+        self._next = 0
+
+    def put(self, arr):
+        """Returns `(key, is_new)`; (re)writes the shared copy only when it differs."""
+        key = self._by_id.get(id(arr))
+        if key is not None:
+            seg, ref, layout = self.entries[key]
+            if ref is not None and ref() is arr:
+                new_layout = plan_layout([arr])
+                view = seg.views(layout)[0] if layout == new_layout else None
+                if view is None or not np.array_equal(view, arr):
+                    seg.write([arr], new_layout)
+                    self.entries[key][2] = new_layout
+                return key, False
+        key = f"a{self._next}"
+        self._next += 1
+        seg = Segment.create(arr.nbytes, name="kpipe-array")
+        layout = plan_layout([arr])
+        seg.write([arr], layout)
+        try:
+            ref = weakref.ref(arr)
+        except TypeError:
+            ref = None
+        self.entries[key] = [seg, ref, layout]
+        self._by_id[id(arr)] = key
+        return key, True
+
+    def layout(self, key):
+        return self.entries[key][2]
+
+    def fd(self, key):
+        return self.entries[key][0].fd
+
+    def close(self):
+        for seg, _, _ in self.entries.values():
+            seg.close()
+        self.entries.clear()
+        self._by_id.clear()
+
+
+class _Pickler(cloudpickle.Pickler):
+    def __init__(self, file, shared, used):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._shared = shared
+        self._used = used
+
+    def persistent_id(self, obj):
+        if type(obj) is np.ndarray:
+            if self._shared is not None and obj.nbytes >= SHARE_MIN_BYTES and obj.dtype.kind in _OK_KINDS:
+                key, _ = self._shared.put(obj)
+                self._used.add(key)
+                return ("kpipe-shared-array", key, self._shared.layout(key)[0])
+            return None
+        module = type(obj).__module__ or ""
+        if module.startswith("h5py."):
+            raise _Unshareable(obj)
+        return None
+
+
+class _Unshareable(Exception):
+    def __init__(self, obj):
+        super().__init__(obj)
+        self.obj = obj
+
+
+def dumps(obj, shared=None, what=None):
+    """Pickles `obj`; returns `(payload_bytes, keys_of_shared_arrays_used)`.
+
+    Raises:
+        DatasetPicklingError: with the reason and the fix.
+    """
+    buf = io.BytesIO()
+    used = set()
+    what = what or f"`{type(obj).__name__}`"
+    try:
+        _Pickler(buf, shared, used).dump(obj)
+    except _Unshareable as exc:
+        where = _find_attribute(obj, exc.obj)
+        raise DatasetPicklingError(
+            f"{what} holds an open h5py object{where} ({_short(exc.obj)}), which cannot be "
+            "sent to worker processes. Open the file lazily instead, once per process: keep "
+            "only the path in __init__ (e.g. self._h5 = None) and in __getitem__ do "
+            "`if self._h5 is None: self._h5 = h5py.File(self.path, 'r')`."
+        ) from None
+    except DatasetPicklingError:
+        raise
+    except Exception as exc:
+        raise DatasetPicklingError(
+            f"{what} cannot be pickled to send it to worker processes: "
+            f"{type(exc).__name__}: {exc}. Objects such as open files, locks, sockets or "
+            "database connections must be created lazily inside __getitem__ (once per "
+            "process), or pass use_threads=True / workers=0 to keep the dataset in this process."
+        ) from exc
+    return buf.getvalue(), used
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, segments):
+        super().__init__(file)
+        self._segments = segments
+
+    def persistent_load(self, pid):
+        tag, key, layout = pid
+        if tag != "kpipe-shared-array":
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        return self._segments[key].views([layout])[0]
+
+    def find_class(self, module, name):
+        swap = _pydataset_shim.SWAPS.get((module, name))
+        if swap is not None:
+            return swap
+        return super().find_class(module, name)
+
+
+def loads(payload, segments):
+    """Unpickles a `dumps` payload; `segments` maps shared-array keys to `Segment`s."""
+    return _Unpickler(io.BytesIO(payload), segments).load()
+
+
+def _find_attribute(root, target):
+    """Returns ' in `self.attr`' when `target` is an attribute (or one level deeper) of root."""
+    attrs = getattr(root, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return ""
+    for name, value in attrs.items():
+        if value is target:
+            return f" in `self.{name}`"
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                if v is target:
+                    return f" in `self.{name}[{i}]`"
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if v is target:
+                    return f" in `self.{name}[{k!r}]`"
+    return ""
+
+
+def _short(value, limit=100):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

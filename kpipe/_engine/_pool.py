@@ -1,0 +1,593 @@
+"""Main-process side of the engine: backends that run `target[key]` (or `target(inputs)`).
+
+Three backends share one small interface -- `submit(key, inputs=None) -> seq`,
+`get(seq) -> (tree, meta)`, `discard(seq)`, `reset_target(target)`, `close()`:
+
+* `ProcessBackend`: persistent worker processes, batches in shared-memory slots.
+* `ThreadBackend`: a thread pool, for I/O-bound work that releases the GIL.
+* `InlineBackend`: runs in the calling thread (`workers=0`).
+
+NOTE [ kpipe worker shutdown and slot lifecycle ]
+------------------------------------------------
+Data flow for one task (`seq` increases by one per task; worker = seq % num_workers, so
+the assignment -- and any per-worker randomness -- is reproducible):
+
+    main: acquire slot S (a memfd) --task(seq, key, S)--> worker W
+                         [first use of S by W: the fd follows via SCM_RIGHTS]
+    W:    out = target[key]; flatten; write leaves into S (grow S with ftruncate if needed)
+    W:    --done(seq, treedef, layout)--> main      (arrays never go through the socket)
+    main: get(seq): arrays = views of S, each holding a Lease(S)
+    consumer drops the last array/view  ->  Lease.__del__  ->  S back to the free list
+
+A slot is written only while it is "in flight" (acquired, not yet leased), so a consumer
+never sees its arrays change. Slots the consumer still holds do not stall loading: a new
+slot is created instead; idle slots beyond `keep_idle` are closed and workers are told to
+unmap them with the next task they get.
+
+Failures: every wait is `multiprocessing.connection.wait` on the worker sockets and
+process sentinels with a deadline. A worker exception comes back as data (type, message,
+traceback) and is re-raised for that batch; the pool stays usable. A dead worker (EOF
+on its socket or its sentinel fires) or a batch past `timeout` raises and breaks the
+pool: it is closed, and the owner starts a new one on next use.
+
+Shutdown (`close()`, `with`, garbage collection via `weakref.finalize`, interpreter exit,
+or a fatal error): send `stop` to every worker; join each for up to `_JOIN_TIMEOUT_S`;
+SIGTERM the ones still running (a stuck `__getitem__`), then SIGKILL after
+`_KILL_TIMEOUT_S`; reap every child; close sockets and segments. Workers ignore SIGINT
+(Ctrl-C reaches the whole process group; the main process decides) and exit on their own
+when their socket reaches EOF or their parent pid changes, so even a SIGKILLed main
+process leaves no worker behind for long. Shared memory is anonymous (memfd): it cannot
+outlive the processes that map it.
+"""
+
+import collections
+import concurrent.futures
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing import connection as mp_connection
+
+import kpipe
+from kpipe._engine import _pickling, _tree
+from kpipe._engine import worker_info as _wi
+from kpipe._engine._shm import SlotPool, plan_layout
+from kpipe._engine._worker import pack_exception, send_fds
+from kpipe.errors import (
+    BatchTimeoutError,
+    LoaderClosedError,
+    LoaderError,
+    WorkerDiedError,
+)
+
+_JOIN_TIMEOUT_S = 2.0
+_KILL_TIMEOUT_S = 2.0
+_START_METHODS = ("spawn", "fork")
+# glibc keeps freed big buffers (up to 32 MiB) instead of unmapping them, so a worker that
+# allocates a fresh batch array per call reuses warm pages instead of page-faulting.
+_WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+_Task = collections.namedtuple("_Task", "worker key slot in_slot")
+
+
+class _KeyErrorMessage(str):
+    """KeyError repr-quotes its message; this keeps the traceback readable (as PyTorch does)."""
+
+    def __repr__(self):
+        return self
+
+
+def rebuild_exception(packed, where):
+    """An exception of the worker's type whose message adds `where` and the worker traceback."""
+    msg = (
+        f"{packed['message']}\n\n[kpipe] Caught {packed['name']} {where}.\n"
+        f"Original traceback from the worker:\n{packed['traceback']}"
+    )
+    exc_type = None
+    if packed.get("type"):
+        try:
+            import cloudpickle
+
+            exc_type = cloudpickle.loads(packed["type"])
+        except Exception:
+            exc_type = None
+    exc = None
+    if isinstance(exc_type, type) and issubclass(exc_type, BaseException):
+        try:
+            exc = exc_type(_KeyErrorMessage(msg) if issubclass(exc_type, KeyError) else msg)
+        except Exception:
+            exc = None
+    if exc is None:
+        exc = LoaderError(msg)
+    exc.worker_traceback = packed["traceback"]
+    return exc
+
+
+def describe_exit(code):
+    if code is None:
+        return "exited (exit code unknown)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = {
+            signal.SIGKILL: " It was killed, often by the kernel's out-of-memory killer; lower "
+            "`max_queue_size` or `workers`, or check the dataset for memory growth.",
+            signal.SIGSEGV: " It crashed in native code (a segmentation fault), e.g. in a C "
+            "extension used by __getitem__.",
+        }.get(-code, "")
+        return f"was killed by {name} (exit code {code}).{hint}"
+    return (
+        f"exited with code {code}. Something in the dataset ended the process (sys.exit, "
+        "os._exit); raise an exception instead so it can be reported."
+    )
+
+
+class _Proc:
+    """One worker process as seen from the main process."""
+
+    def __init__(self, wid, conn, pid, handle, sentinel):
+        self.id = wid
+        self.conn = conn
+        self.pid = pid
+        self.handle = handle  # subprocess.Popen or multiprocessing.Process
+        self.sentinel = sentinel  # waitable fd or None
+        self.known_slots = set()
+        self.drops = []
+        self.pending = collections.deque()  # seqs sent, not answered, in order
+        self.array_keys = set()  # shared dataset arrays whose fds this worker holds
+        self.alive = True
+
+    def exitcode(self, wait_s=0.0):
+        h = self.handle
+        if isinstance(h, subprocess.Popen):
+            try:
+                return h.wait(timeout=wait_s) if wait_s else h.poll()
+            except subprocess.TimeoutExpired:
+                return None
+        h.join(wait_s if wait_s else 0)
+        return h.exitcode
+
+    def signal(self, sig):
+        try:
+            os.kill(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _spawn_exec(wid, parent_pid):
+    """Starts a fresh interpreter running the worker loop; never re-imports `__main__`."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ, **_WORKER_ENV)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    code = "from kpipe._engine._worker import _exec_main; _exec_main()"
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-c", code, str(theirs.fileno()), str(parent_pid)],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+    finally:
+        theirs.close()
+    sentinel = None
+    if hasattr(os, "pidfd_open"):
+        try:
+            sentinel = os.pidfd_open(popen.pid)
+        except OSError:
+            sentinel = None
+    return _Proc(wid, Connection(ours.detach()), popen.pid, popen, sentinel)
+
+
+def _spawn_fork(wid, parent_pid):
+    import multiprocessing
+
+    from kpipe._engine._worker import _fork_main
+
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_fork_main, args=(theirs, parent_pid), daemon=True, name=f"kpipe-worker-{wid}")
+    proc.start()
+    theirs.close()
+    return _Proc(wid, ours, proc.pid, proc, proc.sentinel)
+
+
+def _close_fd(fd):
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _shutdown(procs, slots, shared, force=False):
+    """Stops and reaps workers, then frees shared memory. Safe to call twice."""
+    for p in procs:
+        if p.alive and not force:
+            try:
+                p.conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+    deadline = time.monotonic() + (0 if force else _JOIN_TIMEOUT_S)
+    for p in procs:
+        if p.exitcode(max(0.0, deadline - time.monotonic()) or 0.001) is None:
+            p.signal(signal.SIGTERM)
+    for p in procs:
+        if p.exitcode(_KILL_TIMEOUT_S) is None:
+            p.signal(signal.SIGKILL)
+            p.exitcode(_KILL_TIMEOUT_S)
+        p.alive = False
+        try:
+            p.conn.close()
+        except OSError:
+            pass
+        _close_fd(p.sentinel)
+        p.sentinel = None
+    procs.clear()
+    slots.close()
+    shared.close()
+
+
+class ProcessBackend:
+    """Runs `target[key]` (mode "dataset") or `target(inputs)` (mode "function") in worker
+    processes. Used from one thread at a time."""
+
+    def __init__(self, target, *, num_workers, mode, start_method, timeout, seed, name, keep_idle):
+        if start_method not in _START_METHODS:
+            raise ValueError(
+                f"Invalid value for argument `start_method`. Received: start_method={start_method!r}. "
+                f"Expected one of {_START_METHODS} or None (spawn)."
+            )
+        if start_method == "fork" and ("tensorflow" in sys.modules or "jax" in sys.modules):
+            raise ValueError(
+                "`start_method='fork'` is unsafe here: TensorFlow is loaded in this process, and "
+                "forking it deadlocks workers (keras-team/keras#11461). Received: "
+                "start_method='fork'. Use start_method='spawn' (the default): kpipe's spawned "
+                "workers start in ~0.2 s and do not import TensorFlow."
+            )
+        self.name = name
+        self.timeout = timeout
+        self._mode = mode
+        self._slots = SlotPool(keep_idle=keep_idle)
+        self._shared = _pickling.SharedArrays()
+        self._procs = []
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._slots, self._shared)
+        payload, keys = _pickling.dumps(target, self._shared, what=f"`{name}`")
+        self._results = {}
+        self._tasks = {}
+        self._discarded = set()
+        self._seq = itertools.count()
+        self.closed = False
+        spawn = _spawn_exec if start_method == "spawn" else _spawn_fork
+        keys = sorted(keys)
+        try:
+            for wid in range(num_workers):
+                proc = spawn(wid, os.getpid())
+                self._procs.append(proc)
+                cfg = {
+                    "worker_id": wid,
+                    "num_workers": num_workers,
+                    "seed": _wi.derive_seed(seed, wid),
+                    "mode": mode,
+                    "sys_path": [p for p in sys.path if p],
+                    "payload": payload,
+                    "array_keys": keys,
+                }
+                proc.conn.send(("init", cfg))
+                send_fds(proc.conn, [self._shared.fd(k) for k in keys])
+                proc.array_keys = set(keys)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self):
+        return [p.pid for p in self._procs]
+
+    def submit(self, key, inputs=None):
+        self._check_open()
+        seq = next(self._seq)
+        proc = self._procs[seq % len(self._procs)]
+        slot, _ = self._slots.acquire()
+        new = []
+        if slot not in proc.known_slots:
+            new.append(slot)
+        in_info = in_slot = None
+        if inputs is not None:
+            treedef, leaves, _ = _tree.flatten(inputs, what="input")
+            layout = plan_layout(leaves)
+            in_slot, _ = self._slots.acquire()
+            self._slots.segments[in_slot].write(leaves, layout)
+            in_info = (in_slot, treedef, layout)
+            if in_slot not in proc.known_slots:
+                new.append(in_slot)
+        self._queue_drops()
+        drops, proc.drops = proc.drops, []
+        try:
+            proc.conn.send(("task", seq, key, slot, in_info, new, drops))
+            send_fds(proc.conn, [self._slots.segments[s].fd for s in new])
+        except OSError:
+            self._slots.release(slot)
+            if in_slot is not None:
+                self._slots.release(in_slot)
+            self._fail(self._died(proc, key))
+        proc.known_slots.update(new)
+        proc.known_slots.difference_update(drops)
+        proc.pending.append(seq)
+        self._tasks[seq] = _Task(proc, key, slot, in_slot)
+        return seq
+
+    def _queue_drops(self):
+        for slot in self._slots.take_retired():
+            for p in self._procs:
+                if slot in p.known_slots:
+                    p.drops.append(slot)
+
+    def get(self, seq):
+        """Waits for task `seq`; returns `(tree, meta)` with meta = [(dtype_str, shape)]."""
+        self._check_open()
+        deadline = time.monotonic() + self.timeout
+        while seq not in self._results:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(self._timed_out(seq))
+            self._pump(remaining)
+        result = self._results.pop(seq)
+        task = self._tasks.pop(seq)
+        if task.in_slot is not None:
+            self._slots.release(task.in_slot)
+        if result[0] == "error":
+            self._slots.release(task.slot)
+            where = (
+                f"in kpipe worker {task.worker.id} (pid {task.worker.pid}) while loading "
+                + (f"batch {task.key} of `{self.name}`" if self._mode == "dataset" else f"item {seq} with `{self.name}`")
+            )
+            exc = rebuild_exception(result[1], where)
+            exc.kpipe_batch_index = task.key
+            raise exc
+        _, treedef, layout, _busy = result
+        seg = self._slots.segments[task.slot]
+        leaves = seg.views(layout, lease=self._slots.lease(task.slot), writable=True)
+        return _tree.unflatten(treedef, leaves), [(d, s) for _, _, d, s in layout]
+
+    def discard(self, seq):
+        """Forgets task `seq`: its result is dropped (and its slot freed) when it arrives."""
+        if seq in self._results:
+            self._results.pop(seq)
+            self._release_task(seq)
+        elif seq in self._tasks:
+            self._discarded.add(seq)
+
+    def _release_task(self, seq):
+        task = self._tasks.pop(seq)
+        self._slots.release(task.slot)
+        if task.in_slot is not None:
+            self._slots.release(task.in_slot)
+
+    def reset_target(self, target):
+        """Sends a new version of the target (e.g. after `on_epoch_end`) to every worker.
+
+        Call it with no task in flight. Waits until every worker has loaded it.
+        """
+        self._check_open()
+        payload, keys = _pickling.dumps(target, self._shared, what=f"`{self.name}`")
+        for p in self._procs:
+            new = sorted(k for k in keys if k not in p.array_keys)
+            p.conn.send(("state", payload, new))
+            send_fds(p.conn, [self._shared.fd(k) for k in new])
+            p.array_keys |= set(new)
+            p.pending.append("state")
+        deadline = time.monotonic() + self.timeout
+        while any(p.pending for p in self._procs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(BatchTimeoutError(f"Workers did not load the new state of `{self.name}` within timeout={self.timeout} s."))
+            self._pump(remaining)
+
+    def _pump(self, timeout):
+        conns = {p.conn: p for p in self._procs}
+        sentinels = {p.sentinel: p for p in self._procs if p.sentinel is not None}
+        ready = mp_connection.wait(list(conns) + list(sentinels), timeout)
+        dead = []
+        for obj in ready:
+            proc = conns.get(obj)
+            if proc is None:
+                continue
+            try:
+                while proc.conn.poll():
+                    self._handle(proc, proc.conn.recv())
+            except (EOFError, OSError):
+                dead.append(proc)
+        for obj in ready:
+            proc = sentinels.get(obj)
+            if proc is not None and proc not in dead:
+                try:  # a last message may still be buffered
+                    while proc.conn.poll():
+                        self._handle(proc, proc.conn.recv())
+                except (EOFError, OSError):
+                    pass
+                dead.append(proc)
+        if dead:
+            self._fail(self._died(dead[0]))
+
+    def _handle(self, proc, msg):
+        kind = msg[0]
+        if kind in ("done", "error"):
+            seq = msg[1]
+            if proc.pending and proc.pending[0] == seq:
+                proc.pending.popleft()
+            else:
+                try:
+                    proc.pending.remove(seq)
+                except ValueError:
+                    pass
+            if seq in self._discarded:
+                self._discarded.discard(seq)
+                self._release_task(seq)
+            else:
+                self._results[seq] = (kind,) + tuple(msg[2:])
+        elif kind == "state-ok":
+            proc.pending.remove("state")
+        elif kind == "init-error":
+            exc = rebuild_exception(msg[1], f"in kpipe worker {proc.id} (pid {proc.pid}) while unpickling `{self.name}`")
+            self._fail(exc)
+        # "ready" needs no action: tasks were queued behind init already.
+
+    def _died(self, proc, key=None):
+        code = proc.exitcode(1.0)
+        proc.alive = False
+        running = next((s for s in proc.pending if s != "state"), None)
+        if running is not None and running in self._tasks:
+            key = self._tasks[running].key
+        what = f"while loading batch {key} of `{self.name}`" if key is not None else f"while idle (`{self.name}`)"
+        return WorkerDiedError(f"Worker {proc.id} (pid {proc.pid}) {what}: it {describe_exit(code)}")
+
+    def _timed_out(self, seq):
+        task = self._tasks.get(seq)
+        who = f"worker {task.worker.id} (pid {task.worker.pid})" if task else "a worker"
+        key = task.key if task else seq
+        return BatchTimeoutError(
+            f"Batch {key} of `{self.name}` did not arrive within timeout={self.timeout} s from {who}, "
+            "which is still running. If batches are legitimately this slow, raise `timeout`; "
+            "otherwise look for a hang in __getitem__ (a deadlock, a stuck read). The loader "
+            "stopped its workers; using it again starts new ones."
+        )
+
+    def _fail(self, exc):
+        self.close(force=True)
+        raise exc
+
+    def _check_open(self):
+        if self.closed:
+            raise LoaderClosedError(f"The worker pool of `{self.name}` is closed.")
+
+    def close(self, force=False):
+        self.closed = True
+        if force:
+            _shutdown(self._procs, self._slots, self._shared, force=True)
+        self._finalizer()
+
+
+class ThreadBackend:
+    """Runs `target[key]` in a thread pool: for I/O-bound work that releases the GIL."""
+
+    def __init__(self, target, *, num_workers, mode, timeout, seed, name):
+        self.name = name
+        self.timeout = timeout
+        self._target = target
+        self._mode = mode
+        ids = itertools.count()
+        lock = threading.Lock()
+
+        def init():
+            with lock:
+                wid = next(ids)
+            _wi._set_thread(
+                _wi.WorkerInfo(id=wid, num_workers=num_workers, seed=_wi.derive_seed(seed, wid), pid=os.getpid(), mode="thread")
+            )
+
+        self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="kpipe", initializer=init)
+        self._futures = {}
+        self._seq = itertools.count()
+        self.closed = False
+        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+
+    pids = property(lambda self: [])
+
+    def _run(self, key, inputs):
+        out = self._target[key] if self._mode == "dataset" else self._target(inputs)
+        treedef, leaves, _ = _tree.flatten(out)
+        return _tree.unflatten(treedef, leaves), [(a.dtype.str, a.shape) for a in leaves]
+
+    def submit(self, key, inputs=None):
+        if self.closed:
+            raise LoaderClosedError(f"The thread pool of `{self.name}` is closed.")
+        seq = next(self._seq)
+        self._futures[seq] = (key, self._pool.submit(self._run, key, inputs))
+        return seq
+
+    def get(self, seq):
+        key, fut = self._futures.pop(seq)
+        try:
+            return fut.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            self.close()
+            raise BatchTimeoutError(
+                f"Batch {key} of `{self.name}` did not arrive within timeout={self.timeout} s from its "
+                "worker thread. Raise `timeout` if batches are this slow, or look for a hang in "
+                "__getitem__. (A thread cannot be stopped: it ends when its call returns.)"
+            ) from None
+        except Exception as exc:
+            _add_note(exc, f"[kpipe] raised in a worker thread while loading batch {key} of `{self.name}`.")
+            exc.kpipe_batch_index = key
+            raise
+
+    def discard(self, seq):
+        item = self._futures.pop(seq, None)
+        if item is not None:
+            item[1].cancel()
+
+    def reset_target(self, target):
+        for seq in list(self._futures):
+            self.discard(seq)
+        self._target = target
+
+    def close(self, force=False):
+        self.closed = True
+        self._finalizer()
+
+
+class InlineBackend:
+    """Runs `target[key]` in the calling thread when the result is asked for (`workers=0`)."""
+
+    def __init__(self, target, *, mode, name):
+        self.name = name
+        self._target = target
+        self._mode = mode
+        self._todo = {}
+        self._seq = itertools.count()
+        self.closed = False
+
+    pids = property(lambda self: [])
+
+    def submit(self, key, inputs=None):
+        seq = next(self._seq)
+        self._todo[seq] = (key, inputs)
+        return seq
+
+    def get(self, seq):
+        key, inputs = self._todo.pop(seq)
+        try:
+            out = self._target[key] if self._mode == "dataset" else self._target(inputs)
+        except Exception as exc:
+            _add_note(exc, f"[kpipe] raised while loading batch {key} of `{self.name}`.")
+            exc.kpipe_batch_index = key
+            raise
+        treedef, leaves, _ = _tree.flatten(out)
+        return _tree.unflatten(treedef, leaves), [(a.dtype.str, a.shape) for a in leaves]
+
+    def discard(self, seq):
+        self._todo.pop(seq, None)
+
+    def reset_target(self, target):
+        self._todo.clear()
+        self._target = target
+
+    def close(self, force=False):
+        self.closed = True
+
+
+def _add_note(exc, note):
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+__all__ = ["InlineBackend", "ProcessBackend", "ThreadBackend", "describe_exit", "pack_exception", "rebuild_exception"]

@@ -1,0 +1,177 @@
+"""The worker process: receive a target, load batches into shared-memory slots.
+
+Runs in a fresh interpreter (`spawn`, via `_exec_main`) or a forked child (`fork`).
+Imports only the standard library, NumPy and cloudpickle -- never TensorFlow, unless the
+user's dataset does.
+
+Protocol (main -> worker, over one Unix socket, after `init`):
+  ("init", cfg)                                   then the shared-array fds
+  ("task", seq, key, out_slot, inputs, new, drop) then the fds of the `new` slots
+  ("state", payload, new_keys)                    then the fds of the new arrays
+  ("stop",)
+worker -> main:
+  ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s)
+  ("error", seq, exc) | ("state-ok",)
+"""
+
+import os
+import random
+import socket
+import sys
+import time
+import traceback
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from kpipe._engine import _pickling, _tree
+from kpipe._engine import worker_info as _wi
+from kpipe._engine._shm import Segment, plan_layout
+
+_PARENT_POLL_S = 1.0
+
+
+def pack_exception(exc):
+    """An exception as plain data: type (pickled if possible), name, message, traceback."""
+    try:
+        import cloudpickle
+
+        type_bytes = cloudpickle.dumps(type(exc))
+    except Exception:
+        type_bytes = None
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return {
+        "type": type_bytes,
+        "name": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc),
+        "traceback": tb,
+    }
+
+
+def recv_fds(conn, count):
+    if not count:
+        return []
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        return list(reduction.recvfds(s, count))
+
+
+def send_fds(conn, fds):
+    if fds:
+        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            reduction.sendfds(s, list(fds))
+
+
+class _Worker:
+    def __init__(self, conn, parent_pid):
+        self.conn = conn
+        self.parent_pid = parent_pid
+        self.slots = {}
+        self.arrays = {}
+        self.target = None
+        self.mode = None
+
+    def _adopt_arrays(self, keys):
+        for key, fd in zip(keys, recv_fds(self.conn, len(keys))):
+            self.arrays[key] = Segment(fd)
+
+    def init(self, cfg):
+        self._adopt_arrays(cfg["array_keys"])
+        for path in reversed(cfg["sys_path"]):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        info = _wi.WorkerInfo(
+            id=cfg["worker_id"], num_workers=cfg["num_workers"], seed=cfg["seed"], pid=os.getpid()
+        )
+        _wi._set(info)
+        random.seed(info.seed)
+        np.random.seed(info.seed)
+        self.mode = cfg["mode"]
+        self.target = _pickling.loads(cfg["payload"], self.arrays)
+
+    def run_task(self, seq, key, out_slot, inputs):
+        t0 = time.perf_counter()
+        if self.mode == "dataset":
+            out = self.target[key]
+        else:
+            in_slot, in_treedef, in_layout = inputs
+            out = self.target(_tree.unflatten(in_treedef, self.slots[in_slot].views(in_layout, writable=True)))
+        treedef, leaves, _ = _tree.flatten(out)
+        layout = plan_layout(leaves)
+        self.slots[out_slot].write(leaves, layout)
+        return treedef, layout, time.perf_counter() - t0
+
+    def serve(self):
+        conn = self.conn
+        while True:
+            if not conn.poll(_PARENT_POLL_S):
+                if os.getppid() != self.parent_pid:
+                    return  # the main process is gone
+                continue
+            msg = conn.recv()
+            kind = msg[0]
+            if kind == "task":
+                _, seq, key, out_slot, inputs, new, drop = msg
+                for slot, fd in zip(new, recv_fds(conn, len(new))):
+                    self.slots[slot] = Segment(fd)
+                for slot in drop:
+                    seg = self.slots.pop(slot, None)
+                    if seg is not None:
+                        seg.close()
+                try:
+                    treedef, layout, busy = self.run_task(seq, key, out_slot, inputs)
+                except Exception as exc:  # SystemExit/KeyboardInterrupt end the worker
+                    conn.send(("error", seq, pack_exception(exc)))
+                else:
+                    conn.send(("done", seq, treedef, layout, busy))
+            elif kind == "state":
+                _, payload, new_keys = msg
+                self._adopt_arrays(new_keys)
+                try:
+                    self.target = _pickling.loads(payload, self.arrays)
+                except Exception as exc:
+                    conn.send(("init-error", pack_exception(exc)))
+                    return
+                conn.send(("state-ok",))
+            elif kind == "stop":
+                return
+
+
+def serve(conn, parent_pid):
+    """Entry point shared by every start method."""
+    import signal
+
+    # Ctrl-C reaches the whole process group; the main process decides how to stop us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker = _Worker(conn, parent_pid)
+    try:
+        msg = conn.recv()
+        try:
+            worker.init(msg[1])
+        except Exception as exc:
+            conn.send(("init-error", pack_exception(exc)))
+            return
+        conn.send(("ready", os.getpid()))
+        worker.serve()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the main process closed the loader or died
+    finally:
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+
+def _exec_main():
+    """`python -c 'from kpipe._engine._worker import _exec_main; _exec_main()' FD PARENT_PID`."""
+    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    serve(Connection(fd), parent_pid)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown (atexit of user libraries, GC of big objects): nothing of
+    # ours needs it, and it can take seconds for large datasets.
+    os._exit(0)
+
+
+def _fork_main(conn, parent_pid):
+    serve(conn, parent_pid)
