@@ -6,12 +6,22 @@
   shared-memory segment and replaced by a reference; every worker maps the same pages
   read-only. Re-sending the dataset after `on_epoch_end` compares each array with its
   shared copy and rewrites only what changed (in-place edits included).
+* A dataset class from a user module that imports Keras or TensorFlow (the usual
+  `class Images(keras.utils.PyDataset)` in `data.py`) is sent by value -- its code, not
+  an import of its module -- and its `keras.utils.PyDataset` base is swapped for a
+  TensorFlow-free stand-in in workers. Workers then import TensorFlow only if the
+  dataset's own methods use it.
 * h5py objects, open files and locks cannot cross processes: the error names the attribute
   and says to open the resource lazily.
 """
 
+import contextlib
 import io
+import os
 import pickle
+import sys
+import sysconfig
+import types
 import weakref
 
 import cloudpickle
@@ -96,6 +106,54 @@ class _Unshareable(Exception):
         self.obj = obj
 
 
+_HEAVY_MODULES = ("keras", "tensorflow", "tf_keras", "jax", "torch")
+
+
+def _library_dirs():
+    paths = sysconfig.get_paths()
+    dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs.update(p for p in sys.path if p and os.path.basename(p) in ("site-packages", "dist-packages"))
+    return tuple(os.path.realpath(d) + os.sep for d in dirs if d)
+
+
+def _imports_heavy(module):
+    for value in vars(module).values():
+        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name.split(".")[0] in _HEAVY_MODULES:
+            return True
+    return False
+
+
+def _by_value_modules(obj):
+    """User modules (not stdlib/site-packages) defining `obj`'s classes that import Keras/TF."""
+    out = []
+    libs = _library_dirs()
+    for cls in type(obj).__mro__:
+        module = sys.modules.get(cls.__module__)
+        path = getattr(module, "__file__", None)
+        if module is None or not path or cls.__module__ == "__main__" or module in out:
+            continue
+        if os.path.realpath(path).startswith(libs) or cls.__module__.split(".")[0] in _HEAVY_MODULES + ("kpipe",):
+            continue
+        if _imports_heavy(module):
+            out.append(module)
+    return out
+
+
+@contextlib.contextmanager
+def _pickled_by_value(modules):
+    registered = []
+    try:
+        for module in modules:
+            if module.__name__ not in cloudpickle.list_registry_pickle_by_value():
+                cloudpickle.register_pickle_by_value(module)
+                registered.append(module)
+        yield
+    finally:
+        for module in registered:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
 def dumps(obj, shared=None, what=None):
     """Pickles `obj`; returns `(payload_bytes, keys_of_shared_arrays_used)`.
 
@@ -106,7 +164,8 @@ def dumps(obj, shared=None, what=None):
     used = set()
     what = what or f"`{type(obj).__name__}`"
     try:
-        _Pickler(buf, shared, used).dump(obj)
+        with _pickled_by_value(_by_value_modules(obj)):
+            _Pickler(buf, shared, used).dump(obj)
     except _Unshareable as exc:
         where = _find_attribute(obj, exc.obj)
         raise DatasetPicklingError(

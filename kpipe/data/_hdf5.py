@@ -1,0 +1,231 @@
+"""`kpipe.data.from_hdf5`: samples from one or many HDF5 files, read in chunk-aligned blocks."""
+
+import collections
+import threading
+import weakref
+from typing import List
+
+import numpy as np
+
+from kpipe.data._blocks import BlockSource, Leaf, block_rows, check_dtype, flatten_keys
+from kpipe.data._paths import expand_paths
+from kpipe.data._sharding import resolve_shard
+from kpipe.data._source import attach
+
+# Files one reading thread keeps open at once (least recently used ones are closed).
+_MAX_OPEN_PER_THREAD = 32
+# h5py's per-dataset chunk cache; holds a few chunks of the label array between blocks.
+_CHUNK_CACHE_BYTES = 4 << 20
+
+
+def from_hdf5(paths, x, y=None, *, block_size=None, input_context=None, num_shards=None, index=None):
+    """Returns a `tf.data.Dataset` of the samples stored in HDF5 files.
+
+    Each element is one sample: `x`, or `(x, y)` when `y` is given, with the structure of
+    the `x`/`y` arguments (a key gives a tensor, a tuple/dict of keys gives a tuple/dict of
+    tensors). Rows are read in contiguous blocks aligned to the files' chunks (one h5py
+    call per block, never per sample, never the whole file), several blocks in parallel.
+    Works with chunked and compressed (gzip, lzf, ...) files.
+
+    Files are opened lazily, once per reading thread (h5py handles are not safe to share
+    between threads), and closed when the dataset is garbage collected. h5py serializes all
+    reads of a process behind one lock, so parallel reads overlap I/O with training rather
+    than with each other. The returned dataset may be iterated from several threads; it
+    holds Python state and cannot be serialized (e.g. for the tf.data service).
+
+    Pass the result to `kpipe.data.pipeline` to shard, shuffle, map and batch it: the
+    pipeline shards and shuffles at the source (block order) instead of reading all data.
+
+    Args:
+        paths: An HDF5 file, a glob pattern, or a list of them. All files must have the
+            datasets named by `x` and `y`, with the same dtypes and per-sample shapes.
+        x: Name of the input dataset in each file (e.g. `"images"` or `"group/images"`),
+            or a tuple/list/dict of names for several inputs.
+        y: Name (or tuple/dict of names) of the target dataset. Defaults to None (the
+            elements are `x` alone).
+        block_size: Rows per read, rounded up to a multiple of the storage chunk. Defaults
+            to None (about 2 MiB of rows per read).
+        input_context: A `tf.distribute.InputContext`; read only the rows of its input
+            pipeline. Defaults to None.
+        num_shards: Split the rows into this many contiguous shards (instead of
+            `input_context`). Defaults to None (no sharding).
+        index: The shard to read, with `num_shards`. Defaults to None.
+
+    Returns:
+        A `tf.data.Dataset` of single samples, in storage order (file after file).
+
+    Raises:
+        FileNotFoundError: if a file does not exist.
+        KeyError: if a file lacks a dataset named in `x`/`y`.
+        TypeError: if a dataset has a dtype tensors cannot hold (strings, compound, ...).
+        ValueError: if `x` and `y` datasets differ in length within a file, or files
+            disagree on dtypes or per-sample shapes.
+
+    Example:
+
+    >>> import h5py, numpy as np, kpipe
+    >>> with h5py.File("/tmp/kpipe_doc.h5", "w") as f:
+    ...     _ = f.create_dataset("x", data=np.zeros((10, 4), "float32"), chunks=(5, 4), compression="gzip")
+    ...     _ = f.create_dataset("y", data=np.arange(10))
+    >>> ds = kpipe.data.from_hdf5("/tmp/kpipe_doc.h5", x="x", y="y")
+    >>> [int(y) for _, y in ds.as_numpy_iterator()][:3]
+    [0, 1, 2]
+    """
+    import h5py
+
+    files = expand_paths(paths, "paths", "HDF5")
+    shard = resolve_shard(input_context, num_shards, index)
+    keys, structure, label_leaf = flatten_keys(x, y)
+    for key, arg in keys:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"`{arg}` must name an HDF5 dataset. Received: {arg}={key!r} of type "
+                f"{type(key).__name__}. Pass the dataset's path inside the file, e.g. \"images\"."
+            )
+    leaves: List[Leaf] = []
+    lengths, chunk_rows = [], []
+    for path in files:
+        try:
+            f = h5py.File(path, "r")
+        except OSError as exc:
+            raise ValueError(f"Cannot open {path!r} as an HDF5 file: {exc}. Check that it is an HDF5 file.") from None
+        with f:
+            n, chunks = _inspect_file(f, path, keys, leaves)
+        lengths.append(n)
+        chunk_rows.append(chunks)
+    # Blocks follow the chunks of the widest array: it dominates the bytes read.
+    widest = int(np.argmax([l.dtype.itemsize * int(np.prod(l.sample_shape, dtype=np.int64)) for l in leaves]))
+    grids = [block_rows(leaves, c[widest], block_size) for c in chunk_rows]
+    name = files[0] if len(files) == 1 else f"{files[0]}, ... ({len(files)} files)"
+    source = BlockSource(
+        what=f"from_hdf5({name!r})",
+        leaves=leaves,
+        structure=structure,
+        lengths=lengths,
+        grids=grids,
+        reader=_Hdf5Reader(files, [k for k, _ in keys]),
+        label_leaf=label_leaf,
+    )
+    return attach(source.build(shard), source, shard)
+
+
+def _inspect_file(f, path, keys, leaves):
+    """Checks one open file against `keys` (and the leaves of earlier files); returns (rows, chunk rows)."""
+    import h5py
+
+    n = None
+    chunks = []
+    first_file = not leaves
+    for i, (key, arg) in enumerate(keys):
+        if key not in f:
+            available = _list_datasets(f)
+            raise KeyError(
+                f"HDF5 file {path!r} has no dataset {key!r} (from `{arg}`). Datasets in the file: "
+                f"{available}. Pass one of them as `{arg}`."
+            )
+        d = f[key]
+        if not isinstance(d, h5py.Dataset) or d.shape is None or len(d.shape) == 0:
+            raise ValueError(
+                f"{key!r} in HDF5 file {path!r} (from `{arg}`) is not an array with one row per sample "
+                f"(it is {d!r}). Pass a dataset whose first dimension indexes samples."
+            )
+        what = f"HDF5 dataset {key!r} in {path!r} (from `{arg}`)"
+        dtype = check_dtype(d.dtype, what)
+        leaf = Leaf(f"`{arg}` ({key!r})", dtype, tuple(int(s) for s in d.shape[1:]))
+        if first_file:
+            leaves.append(leaf)
+        elif (leaves[i].dtype, leaves[i].sample_shape) != (leaf.dtype, leaf.sample_shape):
+            raise ValueError(
+                f"{what} has dtype {leaf.dtype} and per-sample shape {leaf.sample_shape}, but the "
+                f"first file has {leaves[i].dtype} and {leaves[i].sample_shape}. All files must store "
+                "the same kind of samples."
+            )
+        rows = int(d.shape[0])
+        if n is None:
+            n, first = rows, (key, arg)
+        elif rows != n:
+            raise ValueError(
+                f"In HDF5 file {path!r}, {key!r} (from `{arg}`) has {rows} rows but {first[0]!r} "
+                f"(from `{first[1]}`) has {n}. Every dataset must have one row per sample; fix the "
+                "file or pass matching datasets."
+            )
+        chunks.append(int(d.chunks[0]) if d.chunks else 1)
+    return n, chunks
+
+
+def _list_datasets(f, limit=20):
+    import h5py
+
+    names = []
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            names.append(name)
+        return len(names) >= limit or None
+
+    f.visititems(visit)
+    return names
+
+
+class _Hdf5Reader:
+    """Reads row blocks of HDF5 datasets; safe to call from many threads at once.
+
+    Each thread opens its own `h5py.File` handles on first use (h5py objects must not be
+    shared between threads) and keeps up to `_MAX_OPEN_PER_THREAD` open. All handles are
+    closed when the reader is garbage collected (or at interpreter exit). Pickling the reader
+    (to send it to a process) drops the handles; the copy opens its own.
+    """
+
+    def __init__(self, paths, keys):
+        self.paths = list(paths)
+        self.keys = list(keys)
+        self._init_state()
+
+    def _init_state(self):
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open = []
+        self._finalizer = weakref.finalize(self, _close_files, self._open, self._lock)
+
+    def __getstate__(self):
+        return {"paths": self.paths, "keys": self.keys}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._init_state()
+
+    def read(self, part, lo, hi, ids):
+        datasets = self._datasets(part)
+        return [datasets[i][lo:hi] for i in ids]
+
+    def _datasets(self, part):
+        import h5py
+
+        cache = getattr(self._local, "cache", None)
+        if cache is None:
+            cache = self._local.cache = collections.OrderedDict()
+        entry = cache.get(part)
+        if entry is not None:
+            cache.move_to_end(part)
+            return entry[1]
+        f = h5py.File(self.paths[part], "r", rdcc_nbytes=_CHUNK_CACHE_BYTES)
+        with self._lock:
+            self._open.append(f)
+        cache[part] = (f, [f[k] for k in self.keys])
+        if len(cache) > _MAX_OPEN_PER_THREAD:
+            _, (old, _) = cache.popitem(last=False)
+            with self._lock:
+                self._open.remove(old)
+            old.close()
+        return cache[part][1]
+
+
+def _close_files(files, lock):
+    with lock:
+        pending = list(files)
+        files.clear()
+    for f in pending:
+        try:
+            f.close()
+        except Exception:  # already closed, interpreter shutting down
+            pass

@@ -1,0 +1,53 @@
+"""Data parallelism: cluster info, strategy choice, sharding, the large-minibatch recipe,
+chief-only side effects, a local multi-worker launcher and the tf.data service.
+
+Importing this package does not import TensorFlow: `cluster_info`, `default_shard`,
+`launch` and the path helpers work in any process. Names that need TensorFlow
+(`auto_strategy`, `MultiWorkerMirroredStrategy`, the data-service helpers) import it on
+first use.
+
+* `cluster_info()`, `default_shard()`, `TFConfigError` -- who am I, from `TF_CONFIG`.
+* `auto_strategy()`, `MultiWorkerMirroredStrategy` -- the strategy for this process, with
+  the repair Keras 3 `fit()` needs under multi-worker training.
+* `is_presharded()`, `mark_presharded()`, `check_shuffle_seed()` -- input sharding rules.
+* `scaled_learning_rate()` -- the linear scaling rule (see `kpipe.callbacks.Warmup`).
+* `chief_only()`, `chief_path()`, `per_worker_path()` -- files written by the chief only.
+* `launch()`, `LaunchResult`, `free_ports()`, `tf_configs()` -- local multi-worker jobs.
+* `start_dispatcher()`, `start_worker()`, `via_data_service()` -- tf.data service.
+"""
+
+import importlib
+
+from kpipe.distribute._chief import chief_only, chief_path, per_worker_path
+from kpipe.distribute._cluster import ClusterInfo, TFConfigError, cluster_info, default_shard
+from kpipe.distribute._launcher import LaunchResult, free_ports, launch, tf_configs
+from kpipe.distribute._lr import scaled_learning_rate
+from kpipe.distribute._sharding import check_shuffle_seed, is_presharded, mark_presharded
+
+# name -> private module that defines it and imports TensorFlow; resolved on first use.
+_LAZY_ATTRS = {
+    "auto_strategy": "kpipe.distribute._strategy",
+    "MultiWorkerMirroredStrategy": "kpipe.distribute._strategy",
+    "start_dispatcher": "kpipe.distribute._data_service",
+    "start_worker": "kpipe.distribute._data_service",
+    "via_data_service": "kpipe.distribute._data_service",
+}
+
+__all__ = sorted([
+    "ClusterInfo", "LaunchResult", "TFConfigError", "check_shuffle_seed", "chief_only",
+    "chief_path", "cluster_info", "default_shard", "free_ports", "is_presharded", "launch",
+    "mark_presharded", "per_worker_path", "scaled_learning_rate", "tf_configs",
+    *_LAZY_ATTRS,
+])
+
+
+def __getattr__(name):
+    if name in _LAZY_ATTRS:
+        value = getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kpipe.distribute' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

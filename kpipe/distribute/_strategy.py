@@ -1,0 +1,237 @@
+"""`auto_strategy()` and the repaired `MultiWorkerMirroredStrategy` (imports TensorFlow).
+
+NOTE [ Keras 3 fit() under MultiWorkerMirroredStrategy ]
+--------------------------------------------------------
+Keras 3 (checked up to 3.15, keras-team/keras#20585, tensorflow/tensorflow#72388) calls
+`Strategy.reduce` in two ways that `tf.distribute.MultiWorkerMirroredStrategy` rejects:
+
+1. `TensorFlowTrainer._maybe_symbolic_build` builds the model from the first batch with
+   `strategy.reduce("MEAN", <tuple/dict of PerReplica>, axis=None)`. MWMS converts its
+   argument to one tensor and fails ("Attempt to convert a value (PerReplica...)").
+   The batch is only used for its shapes, so a nest is answered with each leaf's first
+   local value, without communication.
+2. `reduce_per_replica(..., "mean")` reduces every per-step log with
+   `strategy.reduce("MEAN", v, axis=0)`; the logs are scalars ("Invalid reduction
+   dimension 0 for input with 0 dimensions"). A scalar has no batch axis, so `axis=0`
+   on a rank-0 value is treated as `axis=None`: the mean over replicas, which is what
+   Keras computes for one machine.
+
+Both overrides only act where the stock method raises, so they are inert once Keras
+stops making these calls. `tests/test_distribute_multiworker.py` keeps a strict xfail on
+the stock strategy: when it starts passing, upstream is fixed.
+
+The subclass also (a) feeds *presharded* inputs (see `_sharding.py`) to this worker's
+replicas without auto-sharding or splitting the global batch across workers, (b) raises
+a clear error for an unseeded shuffle that every worker would draw differently, and
+(c) raises a clear error for `steps_per_execution > 1`, which fails inside TensorFlow
+with "You must feed a value for placeholder tensor ..." under multi-worker training.
+"""
+
+import logging
+import sys
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from kpipe.distribute import _sharding
+from kpipe.distribute._cluster import cluster_info
+
+logger = logging.getLogger("kpipe.distribute")
+
+_COMMUNICATION = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+# How many frames up `experimental_distribute_dataset` looks for Keras's epoch iterator.
+_CALLER_FRAMES = 4
+
+
+class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """`tf.distribute.MultiWorkerMirroredStrategy` that Keras 3 `fit()` can train with.
+
+    A drop-in subclass (`isinstance(s, tf.distribute.MultiWorkerMirroredStrategy)` holds);
+    see the NOTE in this module for what it changes. Create it at program start, before
+    any other TensorFlow operation, on every worker, like the stock class. Not to be
+    shared across processes.
+
+    Args:
+        cluster_resolver: Defaults to `None` (read `TF_CONFIG`).
+        communication_options: A `tf.distribute.experimental.CommunicationOptions`.
+            Defaults to `None` (TensorFlow's choice).
+
+    Example (run one copy per worker, e.g. with `kpipe launch --workers 2 -- python t.py`):
+
+        strategy = kpipe.distribute.MultiWorkerMirroredStrategy()
+        with strategy.scope():
+            model = build_model()
+            model.compile("sgd", "mse")
+        model.fit(x, y, batch_size=64)   # 64 = global batch, split over the workers
+    """
+
+    def __init__(self, cluster_resolver=None, communication_options=None):
+        super().__init__(cluster_resolver=cluster_resolver,
+                         communication_options=communication_options)
+        spec = self.cluster_resolver.cluster_spec().as_dict()
+        self._kpipe_num_workers = max(1, len(spec.get("chief", ())) + len(spec.get("worker", ())))
+
+    @property
+    def num_workers(self) -> int:
+        """Number of training processes (chief plus workers)."""
+        return self._kpipe_num_workers
+
+    def reduce(self, reduce_op, value, axis=None):
+        if tf.nest.is_nested(value):  # Keras's symbolic build: shapes of the first batch
+            return tf.nest.map_structure(self._first_local_value, value)
+        if axis is not None and _static_rank(self._first_local_value(value)) == 0:
+            axis = None  # a scalar log has no batch axis: average over replicas
+        return super().reduce(reduce_op, value, axis)
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        if self._kpipe_num_workers > 1:
+            _check_steps_per_execution(fn, self._kpipe_num_workers)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        if self._kpipe_num_workers > 1 and isinstance(dataset, tf.data.Dataset):
+            if _sharding.dataset_is_marked_presharded(dataset) or _keras_input_is_presharded():
+                return self._distribute_presharded(dataset, options)
+            _check_shuffles(dataset, self._kpipe_num_workers)
+        return super().experimental_distribute_dataset(dataset, options)
+
+    def _distribute_presharded(self, dataset, options):
+        local_replicas = self.num_replicas_in_sync // self._kpipe_num_workers
+        if local_replicas > 1:
+            # Split each per-worker batch over this worker's replicas (and only those).
+            from tensorflow.python.data.experimental.ops import distribute as tf_data_dist
+
+            dataset = tf_data_dist._LegacyRebatchDataset(dataset, local_replicas)  # noqa: SLF001
+        return self.distribute_datasets_from_function(lambda _: dataset, options)
+
+    def _first_local_value(self, value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return self.experimental_local_results(value)[0]
+        return value
+
+
+def _static_rank(value) -> Optional[int]:
+    shape = getattr(value, "shape", None)
+    return None if shape is None else shape.rank
+
+
+def _check_steps_per_execution(fn, num_workers: int) -> None:
+    owner = getattr(fn, "__self__", None)  # Keras passes `model.train_step` & co.
+    steps = getattr(owner, "steps_per_execution", 1)
+    if isinstance(steps, int) and steps > 1:
+        raise ValueError(
+            f"`steps_per_execution` must be 1 under multi-worker training ({num_workers} "
+            f"workers). Received: steps_per_execution={steps}. TensorFlow's multi-worker "
+            "input iterator cannot run inside the loop Keras builds for it. Compile with "
+            "steps_per_execution=1 (the default).")
+
+
+def _keras_input_is_presharded() -> bool:
+    # Keras's `TFEpochIterator.__init__` calls `experimental_distribute_dataset` on the
+    # dataset its `PyDatasetAdapter` built from the user's PyDataset. That dataset carries
+    # no trace of its source, so look at the caller's `data_adapter.py_dataset`.
+    frame = sys._getframe(2)  # noqa: SLF001 -- 0: here, 1: experimental_distribute_dataset
+    for _ in range(_CALLER_FRAMES):
+        if frame is None:
+            return False
+        adapter = getattr(frame.f_locals.get("self"), "data_adapter", None)
+        if adapter is not None:
+            return _sharding.is_presharded(getattr(adapter, "py_dataset", None))
+        frame = frame.f_back
+    return False
+
+
+def _check_shuffles(dataset, num_workers: int) -> None:
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    off_or_hint = (tf.data.experimental.AutoShardPolicy.OFF,
+                   tf.data.experimental.AutoShardPolicy.HINT)
+    if policy in off_or_hint:
+        return
+    if policy == tf.data.experimental.AutoShardPolicy.AUTO and _sharding.reads_files(dataset):
+        return
+    problems = _sharding.unseeded_shuffles(dataset)
+    if problems:
+        raise ValueError(
+            f"The input pipeline shuffles without a seed: {'; '.join(sorted(set(problems)))}. "
+            f"Under multi-worker training ({num_workers} workers) each worker takes its "
+            "share of one common order; unseeded, every worker draws a different order, so "
+            "samples are repeated and dropped. Call `keras.utils.set_random_seed(seed)` "
+            "with the same seed on every worker before building the input (or pass "
+            "`seed=` to the shuffle), or shard the input yourself (kpipe.ProcessLoader "
+            "with num_shards/shard_index, or kpipe.distribute.mark_presharded).")
+
+
+def auto_strategy(*, devices: Optional[Sequence[str]] = None, communication: str = "auto"):
+    """Picks the distribution strategy for this process and logs why.
+
+    * `TF_CONFIG` lists more than one training process: kpipe's repaired
+      `MultiWorkerMirroredStrategy` (one replica per local GPU, or the CPU).
+    * `devices` given, or more than one GPU visible: `tf.distribute.MirroredStrategy`.
+    * otherwise: TensorFlow's default strategy (no distribution).
+
+    Call it at program start, before other TensorFlow work (multi-worker collectives
+    must be configured before the runtime starts).
+
+    Args:
+        devices: Devices for `MirroredStrategy`, e.g. `["/cpu:0", "/cpu:1"]`. Defaults
+            to `None` (all GPUs when there are several).
+        communication: Multi-worker all-reduce: `"auto"`, `"ring"` (gRPC ring, works on
+            CPUs) or `"nccl"` (GPUs). Defaults to `"auto"`. Ignored on one machine,
+            where `MirroredStrategy` picks NCCL on GPUs itself.
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Raises:
+        ValueError: `communication` is unknown, `devices` is given under a multi-worker
+            `TF_CONFIG`, or `TF_CONFIG` lists `ps` tasks (Keras 3 `fit()` has no
+            parameter-server training).
+        kpipe.distribute.TFConfigError: `TF_CONFIG` is malformed.
+
+    Example:
+
+    >>> import kpipe
+    >>> strategy = kpipe.distribute.auto_strategy()   # no TF_CONFIG, one device
+    >>> strategy.num_replicas_in_sync
+    1
+    """
+    if communication not in _COMMUNICATION:
+        raise ValueError(f"`communication` must be one of {sorted(_COMMUNICATION)}. "
+                         f"Received: communication={communication!r}.")
+    info = cluster_info()
+    if "ps" in info.cluster:
+        raise ValueError(
+            f"TF_CONFIG lists `ps` tasks ({list(info.cluster['ps'])}): parameter-server "
+            "training has no Keras 3 `fit()`. Remove them to train with all-reduce, or "
+            "write a custom loop with tf.distribute.coordinator.ClusterCoordinator.")
+    if info.is_multi_worker and info.worker_index is not None:
+        if devices is not None:
+            raise ValueError(f"`devices` cannot be chosen under a multi-worker TF_CONFIG. "
+                             f"Received: devices={list(devices)}. Each worker uses all its "
+                             "GPUs (or its CPU); limit them with CUDA_VISIBLE_DEVICES.")
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=_COMMUNICATION[communication])
+        strategy = MultiWorkerMirroredStrategy(communication_options=options)
+        logger.info("auto_strategy: MultiWorkerMirroredStrategy (kpipe-repaired), "
+                    "communication=%s, because TF_CONFIG lists %d training processes; this "
+                    "is %s %d (worker %d of %d), %d replica(s) in sync.", communication,
+                    info.num_workers, info.task_type, info.task_index, info.worker_index,
+                    info.num_workers, strategy.num_replicas_in_sync)
+        return strategy
+    if devices is not None:
+        strategy = tf.distribute.MirroredStrategy(devices=list(devices))
+        logger.info("auto_strategy: MirroredStrategy over the devices given: %s.",
+                    list(devices))
+        return strategy
+    gpus = tf.config.list_logical_devices("GPU")
+    if len(gpus) > 1:
+        strategy = tf.distribute.MirroredStrategy()
+        logger.info("auto_strategy: MirroredStrategy because %d GPUs are visible.", len(gpus))
+        return strategy
+    why = "the TF_CONFIG task is not a training task" if info.task_type else "no TF_CONFIG"
+    logger.info("auto_strategy: default strategy (%s, %d GPU(s) visible).", why, len(gpus))
+    return tf.distribute.get_strategy()

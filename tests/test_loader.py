@@ -1,0 +1,186 @@
+"""ProcessLoader: delivery, order, determinism, structures, state, sharing."""
+
+import numpy as np
+import pytest
+
+import kpipe
+from _datasets import BigArray, Info, Infinite, Reshuffling, Squares, Structured, serial
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+MODES = [
+    pytest.param(dict(workers=0), id="inline"),
+    pytest.param(dict(workers=1), id="spawn-1"),
+    pytest.param(dict(workers=2), id="spawn-2"),
+    pytest.param(dict(workers=2, use_threads=True), id="threads-2"),
+]
+
+
+def equal_batches(a, b):
+    fa, fb = _leaves(a), _leaves(b)
+    return len(fa) == len(fb) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(fa, fb))
+
+
+def _leaves(batch):
+    from kpipe._engine._tree import flatten
+
+    return flatten(batch)[1]
+
+
+@pytest.mark.parametrize("kw", MODES)
+def test_every_batch_once_per_epoch_equal_to_serial_read(kw, no_leaks):
+    ds = Squares(n=10, batch=4, last=3)
+    expected = serial(ds)
+    with kpipe.ProcessLoader(ds, max_queue_size=3, **kw) as loader:
+        assert len(loader) == 10
+        for _ in range(2):
+            got = [loader[i] for i in range(len(loader))]
+            assert all(equal_batches(g, e) for g, e in zip(got, expected))
+            loader.on_epoch_end()
+        assert loader.stats()["batches"] == 20
+        assert loader.stats()["samples"] == 2 * (9 * 4 + 3)
+
+
+@pytest.mark.parametrize("kw", MODES)
+def test_shuffle_is_a_seeded_permutation_independent_of_workers(kw, no_leaks):
+    ds = Squares(n=12)
+    ref = kpipe.ProcessLoader(ds, workers=0, shuffle=True, seed=7)
+    with kpipe.ProcessLoader(ds, shuffle=True, seed=7, **kw) as loader:
+        orders = []
+        for _ in range(3):
+            got = [int(loader[i][0][0, 0]) // 10 for i in range(12)]
+            want = [int(ref[i][0][0, 0]) // 10 for i in range(12)]
+            assert got == want
+            assert sorted(got) == list(range(12))
+            orders.append(got)
+            loader.on_epoch_end()
+            ref.on_epoch_end()
+        assert orders[0] != orders[1] != orders[2]
+
+
+def test_different_seeds_give_different_orders():
+    a = kpipe.ProcessLoader(Squares(n=12), workers=0, shuffle=True, seed=1)
+    b = kpipe.ProcessLoader(Squares(n=12), workers=0, shuffle=True, seed=2)
+    assert [int(a[i][0][0, 0]) for i in range(12)] != [int(b[i][0][0, 0]) for i in range(12)]
+
+
+def test_random_access_and_rewinds_return_the_right_batch(no_leaks):
+    ds = Squares(n=20)
+    with kpipe.ProcessLoader(ds, workers=2, max_queue_size=4) as loader:
+        for i in [0, 1, 0, 1, 2, 7, 3, 19, 18, 5, 6, 7, 0]:
+            assert equal_batches(loader[i], ds[i]), i
+        assert equal_batches(loader[-1], ds[19])
+        with pytest.raises(IndexError, match="out of range"):
+            loader[20]
+
+
+def test_structures_dtypes_and_variable_shapes(no_leaks):
+    ds = Structured()
+    with kpipe.ProcessLoader(ds, workers=2) as loader:
+        for i in range(len(ds)):
+            got, want = loader[i], ds[i]
+            assert isinstance(got, tuple) and isinstance(got[0], dict) and isinstance(got[0]["meta"], list)
+            assert equal_batches(got, want)
+            assert got[0]["meta"][1].dtype == np.bool_
+
+
+def test_held_batches_never_change_while_loading_continues(no_leaks):
+    ds = Squares(n=40)
+    with kpipe.ProcessLoader(ds, workers=2, max_queue_size=2) as loader:
+        held = [loader[i] for i in range(5)]  # the consumer keeps these (zero-copy views)
+        view = loader[5][0][1:]  # a view keeps its batch alive too
+        for i in range(6, 40):
+            loader[i]
+        for i, batch in enumerate(held):
+            assert equal_batches(batch, ds[i])
+        np.testing.assert_array_equal(view, ds[5][0][1:])
+        held[0][0][:] = -1  # batches are writable and private to the consumer
+        assert equal_batches(loader[1], ds[1])
+
+
+def test_worker_info_seeds_and_no_tensorflow_in_workers(no_leaks):
+    with kpipe.ProcessLoader(Info(), workers=2, seed=123) as loader:
+        rows = [loader[i] for i in range(8)]
+    ids = {int(r[0][1]) for r in rows}
+    assert ids == {0, 1}
+    seeds = {int(r[0][1]): int(r[0][2]) for r in rows}
+    assert seeds[0] != seeds[1]
+    assert not any(bool(r[1][0]) for r in rows), "a worker imported TensorFlow"
+    with kpipe.ProcessLoader(Info(), workers=2, seed=123) as again:
+        draws = [int(again[i][2][0]) for i in range(8)]
+    assert draws == [int(r[2][0]) for r in rows], "same seed and workers -> same per-worker randomness"
+    assert kpipe.worker_info() is None
+
+
+def test_thread_mode_sets_worker_info():
+    with kpipe.ProcessLoader(Info(), workers=2, use_threads=True, seed=5) as loader:
+        info = {int(loader[i][0][1]) for i in range(8)}
+    assert info <= {0, 1} and info
+
+
+@pytest.mark.parametrize("kw", [dict(workers=2), dict(workers=2, use_threads=True), dict(workers=0)])
+def test_on_epoch_end_state_reaches_workers_before_next_epoch(kw, no_leaks):
+    ds = Reshuffling()
+    mirror = Reshuffling()
+    with kpipe.ProcessLoader(ds, **kw) as loader:
+        for epoch in range(3):
+            for i in range(len(loader)):
+                got = loader[i]
+                np.testing.assert_array_equal(got[0], mirror[i][0])
+                assert list(got[1]) == [epoch, epoch]
+            loader.on_epoch_end()
+            mirror.on_epoch_end()
+        assert ds.epochs_seen == 3  # on_epoch_end ran in this process
+
+
+def test_big_arrays_are_shared_once_not_pickled(no_leaks):
+    from kpipe._engine import _pickling
+
+    ds = BigArray()
+    store = _pickling.SharedArrays()
+    payload, keys = _pickling.dumps(ds, store)
+    store.close()
+    assert len(payload) < 10_000 < ds.data.nbytes and len(keys) == 1
+    with kpipe.ProcessLoader(ds, workers=2) as loader:
+        for i in range(4):
+            chunk, (writeable, total) = loader[i]
+            np.testing.assert_array_equal(chunk, ds[i][0])
+            assert writeable == 0.0, "shared dataset arrays are read-only in workers"
+            assert total == float(ds.data.sum())
+
+
+def test_infinite_dataset_with_steps(no_leaks):
+    with kpipe.ProcessLoader(Infinite(), workers=2) as loader:
+        assert loader.num_batches is None
+        for i in [0, 1, 2, 3, 100]:
+            assert loader[i][0][0, 0] == i
+        with pytest.raises(TypeError, match="infinite"):
+            len(loader)
+
+
+def test_sharding_splits_each_epoch_disjointly_and_completely():
+    n, shards = 14, 3
+    for shuffle in (False, True):
+        for epoch in range(2):
+            seen = []
+            for w in range(shards):
+                loader = kpipe.ProcessLoader(Squares(n=n), workers=0, shuffle=shuffle, seed=3, num_shards=shards, shard_index=w)
+                assert len(loader) == n // shards
+                for _ in range(epoch):
+                    loader.on_epoch_end()
+                seen += [int(loader[i][0][0, 0]) // 10 for i in range(len(loader))]
+            assert len(seen) == len(set(seen)) == (n // shards) * shards
+
+
+def test_as_dataset_yields_one_epoch_per_iteration(no_leaks):
+    import tensorflow as tf
+
+    ds = Squares(n=5, batch=4, last=2)
+    with kpipe.ProcessLoader(ds, workers=2) as loader:
+        tfds = loader.as_dataset()
+        assert tfds.element_spec[0].shape.as_list() == [None, 1]
+        for epoch in range(2):
+            got = [x.numpy() for x, _ in tfds]
+            assert len(got) == 5 and all(np.array_equal(g, ds[i][0]) for i, g in enumerate(got))
+        assert loader.epoch == 2
+        assert isinstance(tfds, tf.data.Dataset)

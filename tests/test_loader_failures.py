@@ -1,0 +1,296 @@
+"""ProcessLoader failure modes: each raises clearly, nothing hangs, nothing leaks."""
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import kpipe
+from _datasets import EagerH5, Failing, LazyH5, Locked, Squares
+from conftest import kpipe_children, memfd_count, shm_entries
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+
+@pytest.mark.parametrize("kw", [dict(workers=2), dict(workers=2, use_threads=True), dict(workers=0)])
+def test_worker_exception_keeps_type_message_traceback_and_index(kw, no_leaks):
+    with kpipe.ProcessLoader(Failing("raise", bad=3), **kw) as loader:
+        for i in range(3):
+            loader[i]
+        with pytest.raises(ValueError, match="cannot decode record 3") as info:
+            loader[3]
+        assert info.value.kpipe_batch_index == 3
+        text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+        assert "batch 3" in text
+        if kw["workers"] and not kw.get("use_threads"):
+            assert "Traceback" in text and "_datasets.py" in text and "worker" in text
+        # the loader keeps going after a dataset error
+        assert loader[4][0][0, 0] == 4
+
+
+def test_keyerror_message_stays_readable():
+    with kpipe.ProcessLoader(Failing("keyerror", bad=0), workers=1) as loader:
+        with pytest.raises(KeyError) as info:
+            loader[0]
+    assert "missing-label" in str(info.value) and "\\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "how, pattern",
+    [
+        ("exit", r"exited with code 3"),
+        ("os_exit", r"exited with code 3"),
+        ("sigkill", r"SIGKILL \(exit code -9\).*out-of-memory"),
+        ("segfault", r"SIGSEGV"),
+    ],
+)
+def test_dead_worker_raises_naming_worker_pid_code_and_batch(how, pattern, no_leaks):
+    loader = kpipe.ProcessLoader(Failing(how, bad=3), workers=2, max_queue_size=2)
+    pids = loader.stats()["pids"]
+    loader[0], loader[1], loader[2]
+    with pytest.raises(kpipe.WorkerDiedError, match=pattern) as info:
+        loader[3]
+    msg = str(info.value)
+    assert "Worker 1" in msg and f"pid {pids[1]}" in msg and "batch 3 of `Failing`" in msg
+    # the loader restarts its workers on next use, and close() still returns
+    assert loader[4][0][0, 0] == 4
+    assert loader.stats()["restarts"] == 1
+    loader.close()
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_hanging_batch_times_out_and_close_returns(no_leaks):
+    loader = kpipe.ProcessLoader(Failing("hang", bad=1), workers=2, timeout=1.5)
+    loader[0]
+    t0 = time.monotonic()
+    with pytest.raises(kpipe.BatchTimeoutError, match=r"Batch 1 of `Failing` did not arrive within timeout=1.5"):
+        loader[1]
+    loader.close()
+    assert time.monotonic() - t0 < 30  # a sanity bound on "does not hang", not a timing claim
+
+
+def test_unpicklable_dataset_raises_at_construction(no_leaks):
+    with pytest.raises(kpipe.DatasetPicklingError, match=r"`Locked` cannot be pickled.*lock.*lazily"):
+        kpipe.ProcessLoader(Locked(), workers=2)
+    with kpipe.ProcessLoader(Locked(), workers=2, use_threads=True) as loader:  # threads need no pickling
+        assert loader[0].shape == (1,)
+
+
+def _h5(tmp_path):
+    import h5py
+
+    path = str(tmp_path / "d.h5")
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(64, dtype="float32").reshape(32, 2)
+        f["y"] = np.arange(32, dtype="int64")
+    return path
+
+
+def test_open_h5py_file_gets_a_lazy_opening_hint_and_lazy_works(tmp_path, no_leaks):
+    path = _h5(tmp_path)
+    eager = EagerH5(path)
+    with pytest.raises(kpipe.DatasetPicklingError, match=r"open h5py object in `self.handle`.*lazily"):
+        kpipe.ProcessLoader(eager, workers=2)
+    eager.handle.close()
+    ds = LazyH5(path)
+    with kpipe.ProcessLoader(ds, workers=2, shuffle=True, seed=0) as loader:
+        ys = np.concatenate([loader[i][1] for i in range(len(loader))])
+    assert sorted(ys.tolist()) == list(range(32))
+    assert ds._h5 is None  # the main process never opened it
+
+
+@pytest.mark.parametrize(
+    "how, pattern",
+    [
+        ("string", r"batch\[0\] has dtype <U1.*numeric or bool"),
+        ("structure", r"Batch 3 of `Failing` has structure \(array, array, array\) but batch 0 had \(array, array\)"),
+        ("dtype", r"Batch 3 of `Failing` has batch\[0\] with dtype float64 but batch 0 had float32"),
+        ("rank", r"shape \(2, 1, 1\) but batch 0 had \(2, 1\)"),
+    ],
+)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_batches_get_clear_errors(how, pattern, workers, no_leaks):
+    with kpipe.ProcessLoader(Failing(how, bad=3), workers=workers) as loader:
+        for i in range(3):
+            loader[i]
+        with pytest.raises(kpipe.BatchStructureError, match=pattern):
+            loader[3]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(workers=-1), ValueError, r"`workers` must be >= 0. Received: workers=-1. Use 0"),
+        (dict(workers=2.5), TypeError, r"`workers` must be an integer. Received: workers=2.5"),
+        (dict(max_queue_size=0), ValueError, r"`max_queue_size` must be >= 1. Received: max_queue_size=0"),
+        (dict(timeout=0), ValueError, r"`timeout` must be a positive number of seconds. Received: timeout=0"),
+        (dict(start_method="forkserver"), ValueError, r"start_method='forkserver'"),
+        (dict(num_shards=2), ValueError, r"Pass both `num_shards` and `shard_index`"),
+        (dict(num_shards=2, shard_index=2), ValueError, r"shard_index=2, num_shards=2"),
+        (dict(num_shards=2, shard_index=0, shuffle=True), ValueError, r"needs a `seed`"),
+    ],
+)
+def test_bad_arguments(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        kpipe.ProcessLoader(Squares(), **kwargs)
+
+
+def test_bad_datasets():
+    with pytest.raises(ValueError, match=r"`Squares` is empty: it has 0 batches"):
+        kpipe.ProcessLoader(Squares(n=0), workers=2)
+    with pytest.raises(TypeError, match=r"must have __getitem__ and __len__.*Received: generator"):
+        kpipe.ProcessLoader((i for i in range(3)), workers=2)
+    from _datasets import Infinite
+
+    with pytest.raises(ValueError, match="needs a finite dataset"):
+        kpipe.ProcessLoader(Infinite(), shuffle=True, seed=0)
+
+
+def test_fork_is_refused_once_tensorflow_is_loaded():
+    import tensorflow  # noqa: F401  (already loaded by kpipe.ProcessLoader -> keras)
+
+    with pytest.raises(ValueError, match=r"TensorFlow is loaded.*keras-team/keras#11461"):
+        kpipe.ProcessLoader(Squares(), workers=2, start_method="fork")
+
+
+def test_closed_loader_says_so():
+    loader = kpipe.ProcessLoader(Squares(), workers=1)
+    loader.close()
+    loader.close()
+    with pytest.raises(kpipe.LoaderClosedError, match="was closed; create a new one"):
+        loader[0]
+
+
+def test_stop_mid_epoch_gc_and_100_open_close_cycles_leak_nothing(no_leaks):
+    fds0, shm0 = memfd_count(), shm_entries()
+    loader = kpipe.ProcessLoader(Squares(n=50), workers=2)
+    loader[0], loader[1]
+    del loader  # consumer stops mid-epoch; garbage collection stops the workers
+    gc.collect()
+    with pytest.raises(ValueError):
+        with kpipe.ProcessLoader(Failing("raise", bad=1), workers=2) as bad:
+            bad[0], bad[1]
+    for i in range(100):
+        with kpipe.ProcessLoader(Squares(n=4), workers=1, max_queue_size=2) as loader:
+            if i % 10 == 0:
+                loader[0]
+    gc.collect()
+    assert kpipe_children() == []
+    assert memfd_count() <= fds0 and shm_entries() == shm0
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    import numpy as np
+    import kpipe
+
+    class Local:  # defined in __main__: reaches spawned workers by value (cloudpickle)
+        def __len__(self):
+            return 6
+        def __getitem__(self, i):
+            return np.full((2, 2), i, 'float32'), np.array(['tensorflow' in sys.modules, 'keras' in sys.modules])
+
+    if __name__ == '__main__':
+        mode = sys.argv[1]
+        loader = kpipe.ProcessLoader(Local(), workers=2, max_queue_size=2)
+        print('PIDS', *loader.stats()['pids'], flush=True)
+        got = [loader[i] for i in range(6)]
+        assert [int(x[0, 0]) for x, _ in got] == list(range(6))
+        print('TF_IN_WORKERS', any(bool(f[0]) for _, f in got), any(bool(f[1]) for _, f in got), flush=True)
+        if mode == 'exit':
+            sys.exit(0)  # no close(): interpreter exit must stop the workers
+        if mode == 'sigint':
+            print('LOOPING', flush=True)
+            while True:
+                for i in range(6):
+                    loader[i]
+                loader.on_epoch_end()
+    """
+)
+
+
+def _run_script(tmp_path, mode):
+    script = tmp_path / "main_script.py"
+    script.write_text(_SCRIPT.format(tests=os.path.dirname(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__))))
+    return subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _gone(pids, within_s=10.0):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_main_module_class_under_spawn_and_interpreter_exit(tmp_path):
+    proc = _run_script(tmp_path, "exit")
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    pids = [int(p) for p in out.split("PIDS")[1].split("\n")[0].split()]
+    assert "TF_IN_WORKERS False False" in out, out
+    assert _gone(pids)
+
+
+def test_ctrl_c_stops_everything(tmp_path):
+    proc = _run_script(tmp_path, "sigint")
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("LOOPING"):
+            break
+    pids = [int(p) for p in "".join(lines).split("PIDS")[1].split("\n")[0].split()]
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0  # KeyboardInterrupt
+    assert _gone(pids)
+
+
+def test_main_process_killed_leaves_no_worker(tmp_path):
+    proc = _run_script(tmp_path, "sigint")
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("LOOPING"):
+            break
+    pids = [int(p) for p in "".join(lines).split("PIDS")[1].split("\n")[0].split()]
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert _gone(pids, within_s=15.0)
+
+
+def test_fork_start_method_without_tensorflow(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import numpy as np
+        from kpipe._engine.mapper import ProcessMapper
+        from kpipe._engine._pool import ProcessBackend
+        from _datasets import Squares
+        assert 'tensorflow' not in sys.modules
+        b = ProcessBackend(Squares(n=6), num_workers=2, mode='dataset', start_method='fork', timeout=60, seed=0, name='Squares', keep_idle=4)
+        seqs = [b.submit(i) for i in range(6)]
+        got = [b.get(s)[0] for s in seqs]
+        assert [int(x[0, 0]) for x, _ in got] == [0, 10, 20, 30, 40, 50]
+        b.close()
+        with ProcessMapper(lambda x: x + 1, workers=2, start_method='fork') as m:
+            assert [int(y[0]) for y in m.imap(np.full(1, i) for i in range(5))] == [1, 2, 3, 4, 5]
+        print('OK')
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=env)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
