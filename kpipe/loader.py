@@ -50,9 +50,13 @@ class ProcessLoader(keras.utils.PyDataset):
         seed: Seed of the shuffle and of the workers' `random`/`numpy.random` (each
             worker gets a seed derived from `(seed, worker id)`, see
             `kpipe.worker_info()`). Defaults to None (random).
-        start_method: `"spawn"` (a fresh interpreter that imports neither `__main__`
-            nor TensorFlow; ~0.2 s to start) or `"fork"` (refused once TensorFlow is
-            loaded: it deadlocks, keras-team/keras#11461). Defaults to `"spawn"`.
+        start_method: How workers start. `"forkserver"`: kpipe starts one fresh
+            interpreter (no TensorFlow, no re-import of `__main__`) that unpickles the
+            dataset once and forks every worker from it in milliseconds, sharing its
+            memory copy-on-write. `"spawn"`: one fresh interpreter per worker (~0.2 s
+            each). `"fork"`: fork this process, refused once TensorFlow is loaded (it
+            deadlocks, keras-team/keras#11461). Defaults to `"forkserver"` on Linux,
+            else `"spawn"`.
         use_threads: Use `workers` threads instead of processes: for I/O-bound
             `__getitem__` that releases the GIL (file reads, decoding in C). Defaults
             to False.
@@ -109,16 +113,16 @@ class ProcessLoader(keras.utils.PyDataset):
         super().__init__(workers=1, use_multiprocessing=False, max_queue_size=max_queue_size)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError(f"`timeout` must be a positive number of seconds. Received: timeout={timeout!r}.")
-        if start_method not in (None, "spawn", "fork"):
+        if start_method not in (None, "forkserver", "spawn", "fork"):
             raise ValueError(
                 f"Invalid value for argument `start_method`. Received: start_method={start_method!r}. "
-                "Expected 'spawn' (default) or 'fork'; for threads pass use_threads=True."
+                "Expected 'forkserver' (default), 'spawn' or 'fork'; for threads pass use_threads=True."
             )
         self.dataset = dataset
         self.num_workers = workers
         self.shuffle = bool(shuffle)
         self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else _check_int("seed", seed, 0, "")
-        self.start_method = start_method or "spawn"
+        self.start_method = start_method or _default_start_method()
         self.use_threads = bool(use_threads)
         self.timeout = float(timeout)
         self._name = type(dataset).__name__
@@ -372,6 +376,10 @@ class ProcessLoader(keras.utils.PyDataset):
         st["bytes"] += sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for d, s in meta)
         if st["first_batch_s"] is None:
             st["first_batch_s"] = time.perf_counter() - self._t_created
+
+
+def _default_start_method():
+    return "forkserver" if hasattr(os, "fork") and hasattr(os, "memfd_create") else "spawn"
 
 
 def _structure(batch, meta):

@@ -10,8 +10,10 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 MODES = [
     pytest.param(dict(workers=0), id="inline"),
-    pytest.param(dict(workers=1), id="spawn-1"),
-    pytest.param(dict(workers=2), id="spawn-2"),
+    pytest.param(dict(workers=1), id="forkserver-1"),
+    pytest.param(dict(workers=2), id="forkserver-2"),
+    pytest.param(dict(workers=1, start_method="spawn"), id="spawn-1"),
+    pytest.param(dict(workers=2, start_method="spawn"), id="spawn-2"),
     pytest.param(dict(workers=2, use_threads=True), id="threads-2"),
 ]
 

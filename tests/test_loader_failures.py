@@ -42,6 +42,7 @@ def test_keyerror_message_stays_readable():
     assert "missing-label" in str(info.value) and "\\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 @pytest.mark.parametrize(
     "how, pattern",
     [
@@ -51,8 +52,8 @@ def test_keyerror_message_stays_readable():
         ("segfault", r"SIGSEGV"),
     ],
 )
-def test_dead_worker_raises_naming_worker_pid_code_and_batch(how, pattern, no_leaks):
-    loader = kpipe.ProcessLoader(Failing(how, bad=3), workers=2, max_queue_size=2)
+def test_dead_worker_raises_naming_worker_pid_code_and_batch(how, pattern, start_method, no_leaks):
+    loader = kpipe.ProcessLoader(Failing(how, bad=3), workers=2, max_queue_size=2, start_method=start_method)
     pids = loader.stats()["pids"]
     loader[0], loader[1], loader[2]
     with pytest.raises(kpipe.WorkerDiedError, match=pattern) as info:
@@ -66,8 +67,9 @@ def test_dead_worker_raises_naming_worker_pid_code_and_batch(how, pattern, no_le
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
-def test_hanging_batch_times_out_and_close_returns(no_leaks):
-    loader = kpipe.ProcessLoader(Failing("hang", bad=1), workers=2, timeout=1.5)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_hanging_batch_times_out_and_close_returns(start_method, no_leaks):
+    loader = kpipe.ProcessLoader(Failing("hang", bad=1), workers=2, timeout=1.5, start_method=start_method)
     loader[0]
     t0 = time.monotonic()
     with pytest.raises(kpipe.BatchTimeoutError, match=r"Batch 1 of `Failing` did not arrive within timeout=1.5"):
@@ -131,7 +133,7 @@ def test_bad_batches_get_clear_errors(how, pattern, workers, no_leaks):
         (dict(workers=2.5), TypeError, r"`workers` must be an integer. Received: workers=2.5"),
         (dict(max_queue_size=0), ValueError, r"`max_queue_size` must be >= 1. Received: max_queue_size=0"),
         (dict(timeout=0), ValueError, r"`timeout` must be a positive number of seconds. Received: timeout=0"),
-        (dict(start_method="forkserver"), ValueError, r"start_method='forkserver'"),
+        (dict(start_method="thread"), ValueError, r"start_method=.thread."),
         (dict(num_shards=2), ValueError, r"Pass both `num_shards` and `shard_index`"),
         (dict(num_shards=2, shard_index=2), ValueError, r"shard_index=2, num_shards=2"),
         (dict(num_shards=2, shard_index=0, shuffle=True), ValueError, r"needs a `seed`"),
@@ -178,7 +180,7 @@ def test_stop_mid_epoch_gc_and_100_open_close_cycles_leak_nothing(no_leaks):
         with kpipe.ProcessLoader(Failing("raise", bad=1), workers=2) as bad:
             bad[0], bad[1]
     for i in range(100):
-        with kpipe.ProcessLoader(Squares(n=4), workers=1, max_queue_size=2) as loader:
+        with kpipe.ProcessLoader(Squares(n=4), workers=1, max_queue_size=2, start_method=("forkserver", "spawn")[i % 2]) as loader:
             if i % 10 == 0:
                 loader[0]
     gc.collect()

@@ -66,7 +66,7 @@ from kpipe.errors import (
 
 _JOIN_TIMEOUT_S = 2.0
 _KILL_TIMEOUT_S = 2.0
-_START_METHODS = ("spawn", "fork")
+_START_METHODS = ("forkserver", "spawn", "fork")
 # glibc keeps freed big buffers (up to 32 MiB) instead of unmapping them, so a worker that
 # allocates a fresh batch array per call reuses warm pages instead of page-faulting.
 _WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
@@ -141,10 +141,11 @@ class _Proc:
         self.pending = collections.deque()  # seqs sent, not answered, in order
         self.array_keys = set()  # shared dataset arrays whose fds this worker holds
         self.alive = True
+        self.dead_error = None  # set when the worker is found dead
 
     def exitcode(self, wait_s=0.0):
         h = self.handle
-        if isinstance(h, subprocess.Popen):
+        if isinstance(h, (subprocess.Popen, _ZygoteChild)):
             try:
                 return h.wait(timeout=wait_s) if wait_s else h.poll()
             except subprocess.TimeoutExpired:
@@ -159,8 +160,70 @@ class _Proc:
             pass
 
 
-def _spawn_exec(wid, parent_pid):
-    """Starts a fresh interpreter running the worker loop; never re-imports `__main__`."""
+class _ZygoteChild:
+    """A worker forked by the fork server: Popen-like `poll`/`wait`. Its exit code comes
+    from the server's ("exited", pid, code) messages (only a parent can reap a child)."""
+
+    def __init__(self, pid, zygote_conn, codes):
+        self.pid = pid
+        self._conn = zygote_conn
+        self._codes = codes
+
+    def _drain(self):
+        if self._codes.get("eof"):
+            return
+        try:
+            while self._conn.poll():
+                msg = self._conn.recv()
+                if msg[0] == "exited":
+                    self._codes[msg[1]] = msg[2]
+        except (EOFError, OSError, ValueError):
+            self._codes["eof"] = True  # the server is gone: no more codes will come
+
+    def _gone(self):
+        import psutil
+
+        try:
+            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    def _wait_code(self, wait_s):
+        deadline = time.monotonic() + wait_s
+        while self.pid not in self._codes and not self._codes.get("eof") and time.monotonic() < deadline:
+            try:
+                if self._conn.poll(0.01):
+                    self._drain()
+            except (OSError, ValueError):
+                break
+        return self._codes.get(self.pid)
+
+    def poll(self):
+        self._drain()
+        if self.pid in self._codes:
+            return self._codes[self.pid]
+        if self._gone():
+            code = self._wait_code(0.5)
+            return -1 if code is None else code
+        return None
+
+    def wait(self, timeout=None):
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while True:
+            self._drain()
+            if self.pid in self._codes:
+                return self._codes[self.pid]
+            if self._gone():
+                return self._wait_code(1.0)  # the server reaps it and reports the code
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("kpipe-worker", timeout)
+            time.sleep(0.005)
+
+
+def _spawn_exec(wid, parent_pid, entry="_exec_main"):
+    """Starts a fresh interpreter running `kpipe._engine._worker.<entry>`; it never
+    re-imports `__main__` (unlike multiprocessing's spawn), so a script's top-level
+    `import tensorflow` does not run again in workers."""
     import socket
     from multiprocessing.connection import Connection
 
@@ -168,7 +231,7 @@ def _spawn_exec(wid, parent_pid):
     env = dict(os.environ, **_WORKER_ENV)
     root = os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    code = "from kpipe._engine._worker import _exec_main; _exec_main()"
+    code = f"from kpipe._engine._worker import {entry}; {entry}()"
     try:
         popen = subprocess.Popen(
             [sys.executable, "-c", code, str(theirs.fileno()), str(parent_pid)],
@@ -265,10 +328,15 @@ class ProcessBackend:
         self._tasks = {}
         self._discarded = set()
         self._seq = itertools.count()
+        self._exit_codes = {}
+        self._zygote = None
         self.closed = False
         spawn = _spawn_exec if start_method == "spawn" else _spawn_fork
         keys = sorted(keys)
         try:
+            if start_method == "forkserver":
+                self._start_forked(num_workers, seed, mode, payload, keys)
+                return
             for wid in range(num_workers):
                 proc = spawn(wid, os.getpid())
                 self._procs.append(proc)
@@ -288,14 +356,75 @@ class ProcessBackend:
             self.close()
             raise
 
+    def _start_forked(self, num_workers, seed, mode, payload, keys):
+        """Starts the fork server, then has it fork every worker (milliseconds each)."""
+        zygote = _spawn_exec(-1, os.getpid(), entry="_zygote_main")
+        zygote.is_zygote = True
+        self._zygote = zygote
+        self._procs.append(zygote)  # last in the list: stopped after the workers
+        cfg = {"mode": mode, "sys_path": [p for p in sys.path if p], "payload": payload, "array_keys": keys}
+        zygote.conn.send(("init", cfg))
+        send_fds(zygote.conn, [self._shared.fd(k) for k in keys])
+        for wid in range(num_workers):
+            zygote.conn.send(("fork", wid, num_workers, _wi.derive_seed(seed, wid)))
+        workers = []
+        deadline = time.monotonic() + self.timeout
+        while len(workers) < num_workers:
+            msg = self._recv_zygote(deadline)
+            if msg[0] == "forked":
+                from kpipe._engine._worker import recv_fds
+                from multiprocessing.connection import Connection
+
+                _, wid, pid = msg
+                fd = recv_fds(zygote.conn, 1)[0]
+                sentinel = None
+                if hasattr(os, "pidfd_open"):
+                    try:
+                        sentinel = os.pidfd_open(pid)
+                    except OSError:
+                        sentinel = None
+                proc = _Proc(wid, Connection(fd), pid, _ZygoteChild(pid, zygote.conn, self._exit_codes), sentinel)
+                proc.array_keys = set(keys)
+                workers.append(proc)
+        workers.sort(key=lambda p: p.id)
+        self._procs[:0] = workers
+
+    def _recv_zygote(self, deadline):
+        zygote = self._zygote
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(BatchTimeoutError(f"kpipe's fork server did not start the workers of `{self.name}` within timeout={self.timeout} s."))
+            ready = mp_connection.wait([zygote.conn] + ([zygote.sentinel] if zygote.sentinel is not None else []), remaining)
+            if zygote.conn in ready:
+                try:
+                    msg = zygote.conn.recv()
+                except (EOFError, OSError):
+                    self._fail(self._died(zygote))
+                if msg[0] == "init-error":
+                    self._fail(rebuild_exception(msg[1], f"in kpipe's fork server (pid {zygote.pid}) while unpickling `{self.name}`"))
+                if msg[0] == "exited":
+                    self._exit_codes[msg[1]] = msg[2]
+                    continue
+                if msg[0] == "ready":
+                    continue
+                return msg
+            if ready:
+                self._fail(self._died(zygote))
+
+    @property
+    def _workers(self):
+        return [p for p in self._procs if not getattr(p, "is_zygote", False)]
+
     @property
     def pids(self):
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._workers]
 
     def submit(self, key, inputs=None):
         self._check_open()
         seq = next(self._seq)
-        proc = self._procs[seq % len(self._procs)]
+        workers = self._workers
+        proc = workers[seq % len(workers)]
         slot, _ = self._slots.acquire()
         new = []
         if slot not in proc.known_slots:
@@ -311,14 +440,12 @@ class ProcessBackend:
                 new.append(in_slot)
         self._queue_drops()
         drops, proc.drops = proc.drops, []
-        try:
-            proc.conn.send(("task", seq, key, slot, in_info, new, drops))
-            send_fds(proc.conn, [self._slots.segments[s].fd for s in new])
-        except OSError:
-            self._slots.release(slot)
-            if in_slot is not None:
-                self._slots.release(in_slot)
-            self._fail(self._died(proc, key))
+        if proc.dead_error is None:
+            try:
+                proc.conn.send(("task", seq, key, slot, in_info, new, drops))
+                send_fds(proc.conn, [self._slots.segments[s].fd for s in new])
+            except OSError:  # it died; get(seq) raises once the consumer needs this batch
+                proc.dead_error = self._died(proc, key)
         proc.known_slots.update(new)
         proc.known_slots.difference_update(drops)
         proc.pending.append(seq)
@@ -336,6 +463,9 @@ class ProcessBackend:
         self._check_open()
         deadline = time.monotonic() + self.timeout
         while seq not in self._results:
+            owner = self._tasks[seq].worker
+            if owner.dead_error is not None:
+                self._fail(owner.dead_error)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(self._timed_out(seq))
@@ -379,22 +509,26 @@ class ProcessBackend:
         """
         self._check_open()
         payload, keys = _pickling.dumps(target, self._shared, what=f"`{self.name}`")
-        for p in self._procs:
+        for p in self._workers:
             new = sorted(k for k in keys if k not in p.array_keys)
             p.conn.send(("state", payload, new))
             send_fds(p.conn, [self._shared.fd(k) for k in new])
             p.array_keys |= set(new)
             p.pending.append("state")
         deadline = time.monotonic() + self.timeout
-        while any(p.pending for p in self._procs):
+        while any(p.pending for p in self._workers):
+            dead = next((p for p in self._workers if p.dead_error is not None), None)
+            if dead is not None:
+                self._fail(dead.dead_error)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(BatchTimeoutError(f"Workers did not load the new state of `{self.name}` within timeout={self.timeout} s."))
             self._pump(remaining)
 
     def _pump(self, timeout):
-        conns = {p.conn: p for p in self._procs}
-        sentinels = {p.sentinel: p for p in self._procs if p.sentinel is not None}
+        live = [p for p in self._procs if p.dead_error is None]
+        conns = {p.conn: p for p in live}
+        sentinels = {p.sentinel: p for p in live if p.sentinel is not None}
         ready = mp_connection.wait(list(conns) + list(sentinels), timeout)
         dead = []
         for obj in ready:
@@ -415,12 +549,18 @@ class ProcessBackend:
                 except (EOFError, OSError):
                     pass
                 dead.append(proc)
-        if dead:
-            self._fail(self._died(dead[0]))
+        for proc in dead:
+            # Batches this worker already delivered stay valid; the error is raised when
+            # the consumer reaches a batch that this worker can no longer deliver.
+            proc.dead_error = self._died(proc)
+            if getattr(proc, "is_zygote", False):
+                self._fail(proc.dead_error)
 
     def _handle(self, proc, msg):
         kind = msg[0]
-        if kind in ("done", "error"):
+        if kind == "exited":  # from the fork server
+            self._exit_codes[msg[1]] = msg[2]
+        elif kind in ("done", "error"):
             seq = msg[1]
             if proc.pending and proc.pending[0] == seq:
                 proc.pending.popleft()
@@ -444,6 +584,11 @@ class ProcessBackend:
     def _died(self, proc, key=None):
         code = proc.exitcode(1.0)
         proc.alive = False
+        if getattr(proc, "is_zygote", False):
+            return WorkerDiedError(
+                f"kpipe's fork server (pid {proc.pid}) for `{self.name}` {describe_exit(code)} "
+                "Its workers stop with it; using the loader again starts new ones."
+            )
         running = next((s for s in proc.pending if s != "state"), None)
         if running is not None and running in self._tasks:
             key = self._tasks[running].key

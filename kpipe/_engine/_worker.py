@@ -1,6 +1,7 @@
 """The worker process: receive a target, load batches into shared-memory slots.
 
-Runs in a fresh interpreter (`spawn`, via `_exec_main`) or a forked child (`fork`).
+Runs in a fresh interpreter (`spawn`, via `_exec_main`), a child forked by kpipe's fork
+server (`forkserver`, see `_zygote_main`), or a forked child of the main process (`fork`).
 Imports only the standard library, NumPy and cloudpickle -- never TensorFlow, unless the
 user's dataset does.
 
@@ -75,19 +76,26 @@ class _Worker:
         for key, fd in zip(keys, recv_fds(self.conn, len(keys))):
             self.arrays[key] = Segment(fd)
 
-    def init(self, cfg):
+    def load(self, cfg):
+        """Receives the shared arrays and unpickles the target."""
         self._adopt_arrays(cfg["array_keys"])
         for path in reversed(cfg["sys_path"]):
             if path not in sys.path:
                 sys.path.insert(0, path)
-        info = _wi.WorkerInfo(
-            id=cfg["worker_id"], num_workers=cfg["num_workers"], seed=cfg["seed"], pid=os.getpid()
-        )
+        self.mode = cfg["mode"]
+        self.target = _pickling.loads(cfg["payload"], self.arrays)
+
+    @staticmethod
+    def become(worker_id, num_workers, seed):
+        """Sets `kpipe.worker_info()` and seeds `random` and `numpy.random`."""
+        info = _wi.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, pid=os.getpid())
         _wi._set(info)
         random.seed(info.seed)
         np.random.seed(info.seed)
-        self.mode = cfg["mode"]
-        self.target = _pickling.loads(cfg["payload"], self.arrays)
+
+    def init(self, cfg):
+        self.load(cfg)
+        self.become(cfg["worker_id"], cfg["num_workers"], cfg["seed"])
 
     def run_task(self, seq, key, out_slot, inputs):
         t0 = time.perf_counter()
@@ -175,3 +183,105 @@ def _exec_main():
 
 def _fork_main(conn, parent_pid):
     serve(conn, parent_pid)
+
+
+_ZYGOTE_POLL_S = 0.2
+
+
+def _zygote_main():
+    """kpipe's fork server: a fresh interpreter (no TensorFlow, no `__main__` re-import)
+    that unpickles the target once, then forks each worker on request.
+
+    `python -c '...; _zygote_main()' FD PARENT_PID`. Protocol on FD:
+      main -> ("init", cfg) + array fds;  ("fork", worker_id, num_workers, seed);  ("stop",)
+      zygote -> ("ready", pid) | ("init-error", exc);  ("forked", worker_id, pid) + socket fd;
+                ("exited", pid, exit_code) for every child it reaps.
+    A forked worker inherits the unpickled target (copy-on-write) and starts in
+    milliseconds; it talks to the main process over its own socket.
+    """
+    import signal
+
+    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(fd)
+    zygote = _Worker(conn, parent_pid)
+    children = set()
+    try:
+        try:
+            zygote.load(conn.recv()[1])
+        except Exception as exc:
+            conn.send(("init-error", pack_exception(exc)))
+            return
+        conn.send(("ready", os.getpid()))
+        while True:
+            if conn.poll(_ZYGOTE_POLL_S):
+                msg = conn.recv()
+                if msg[0] == "stop":
+                    break
+                _, wid, num_workers, seed = msg
+                ours, theirs = socket.socketpair()
+                pid = os.fork()
+                if pid == 0:  # the worker
+                    code = 0
+                    try:
+                        conn.close()
+                        ours.close()
+                        zygote.conn = Connection(theirs.detach())
+                        zygote.parent_pid = os.getppid()
+                        zygote.become(wid, num_workers, seed)
+                        zygote.conn.send(("ready", os.getpid()))
+                        zygote.serve()
+                    except (EOFError, BrokenPipeError, ConnectionResetError):
+                        pass
+                    except SystemExit as exc:  # sys.exit() in the dataset: keep its code
+                        code = exc.code if isinstance(exc.code, int) else 1
+                    except BaseException:
+                        code = 1
+                    finally:
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                        os._exit(code)
+                theirs.close()
+                children.add(pid)
+                conn.send(("forked", wid, pid))
+                send_fds(conn, [ours.fileno()])
+                ours.close()
+            elif os.getppid() != parent_pid:
+                break
+            _reap(children, conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
+        pass
+    finally:
+        # The main process stops the workers first; wait for them (reporting their exit
+        # codes), then end whatever is left, so that no worker outlives the server.
+        for sig, wait_s in ((None, 2.0), (signal.SIGTERM, 1.0), (signal.SIGKILL, 1.0)):
+            if sig is not None:
+                for pid in children:
+                    try:
+                        os.kill(pid, sig)
+                    except OSError:
+                        pass
+            deadline = time.monotonic() + wait_s
+            while children and time.monotonic() < deadline:
+                _reap(children, conn)
+                if children:
+                    time.sleep(0.005)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _reap(children, conn):
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            children.clear()
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        try:
+            conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
+        except (OSError, ValueError):
+            pass

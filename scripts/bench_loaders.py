@@ -1,0 +1,404 @@
+#!/usr/bin/env python3
+"""Loader throughput, side by side in one run: serial, Keras PyDataset (threads and
+multiprocessing), tf.data + tf.numpy_function, kpipe.ProcessLoader, and the ceiling.
+
+Workloads (issue #2):
+  a  64x64x3 uint8 images with NumPy augmentation (crop, flip, jitter), batch 64
+  b  224x224x3 uint8 read from an HDF5 file (~300 MB, generated), batch 128
+  c  5 ms of waiting (I/O) per sample, batch 32
+
+The ceiling is the same per-batch work done by `--workers` bare processes that return
+nothing (no hand-off at all). Every loader is timed from its construction over
+`--epochs` epochs, so start-up and per-epoch costs count. Peak RSS is summed over the
+process tree (shared pages count once per process that maps them).
+
+    python scripts/bench_loaders.py                 # all workloads, workers=2
+    python scripts/bench_loaders.py --workloads c --io-workers 16
+    python scripts/bench_loaders.py --json out.json
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+
+import keras  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kpipe  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- datasets
+class Augment(keras.utils.PyDataset):
+    """(a) In-memory 64x64x3 images, NumPy augmentation per sample, float32 out."""
+
+    def __init__(self, num_images=2048, batch=64, **kw):
+        super().__init__(**kw)
+        rng = np.random.default_rng(0)
+        self.images = rng.integers(0, 256, size=(num_images, 72, 72, 3), dtype=np.uint8)
+        self.labels = rng.integers(0, 10, size=num_images).astype("int64")
+        self.batch = batch
+
+    def __len__(self):
+        return len(self.images) // self.batch
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(i)
+        idx = np.arange(i * self.batch, (i + 1) * self.batch)
+        out = np.empty((self.batch, 64, 64, 3), dtype=np.float32)
+        for k, j in enumerate(idx):
+            dy, dx = rng.integers(0, 9, size=2)
+            img = self.images[j, dy : dy + 64, dx : dx + 64].astype(np.float32)
+            if rng.random() < 0.5:
+                img = img[:, ::-1]
+            img = (img - img.mean()) * rng.uniform(0.8, 1.2) + img.mean() + rng.uniform(-20, 20)
+            out[k] = np.clip(img, 0, 255) * (1.0 / 255.0)
+        return out, self.labels[idx]
+
+
+class H5Images(keras.utils.PyDataset):
+    """(b) 224x224x3 uint8 batches read as contiguous slices from an HDF5 file."""
+
+    def __init__(self, path, batch=128, **kw):
+        super().__init__(**kw)
+        import h5py
+
+        self.path, self.batch = path, batch
+        with h5py.File(path, "r") as f:
+            self.n = len(f["y"]) // batch
+        self._h5 = None
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import h5py
+
+        if self._h5 is None:
+            self._h5 = h5py.File(self.path, "r")
+        s = slice(i * self.batch, (i + 1) * self.batch)
+        return self._h5["x"][s], self._h5["y"][s]
+
+
+class Waits(keras.utils.PyDataset):
+    """(c) 5 ms of waiting per sample (a remote read, say), tiny arrays out."""
+
+    def __init__(self, n=48, batch=32, wait_s=0.005, **kw):
+        super().__init__(**kw)
+        self.n, self.batch, self.wait_s = n, batch, wait_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        for _ in range(self.batch):
+            time.sleep(self.wait_s)
+        return np.full((self.batch, 16), i, dtype=np.float32), np.zeros(self.batch, dtype=np.int64)
+
+
+def make_h5(path, mb):
+    import h5py
+
+    n = max(256, int(mb * 2**20 // (224 * 224 * 3)))
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        x = f.create_dataset("x", shape=(n, 224, 224, 3), dtype=np.uint8, chunks=(32, 224, 224, 3))
+        for lo in range(0, n, 256):
+            hi = min(n, lo + 256)
+            x[lo:hi] = rng.integers(0, 256, size=(hi - lo, 224, 224, 3), dtype=np.uint8)
+        f["y"] = rng.integers(0, 10, size=n).astype("int64")
+    return path
+
+
+# ------------------------------------------------------------------------------ meters
+class PeakRSS:
+    """Samples the RSS of this process and all its descendants every 50 ms."""
+
+    def __init__(self):
+        self.peak = 0
+        self.samples = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def now(self):
+        me = psutil.Process()
+        total = 0
+        for p in [me] + me.children(recursive=True):
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self):
+        while not self._stop.is_set():
+            value = self.now()
+            self.peak = max(self.peak, value)
+            self.samples.append(value)
+            self._stop.wait(0.05)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def consume(iterator, counts):
+    for batch in iterator:
+        x = batch[0]
+        counts[0] += 1
+        counts[1] += len(x)
+        if counts[2] is None:
+            counts[2] = time.perf_counter()
+
+
+def run_pydataset(make, kind, epochs, workers, max_queue):
+    """serial / keras-threads / keras-mp / kpipe through Keras's own PyDataset adapter."""
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    counts = [0, 0, None]
+    t0 = time.perf_counter()
+    if kind == "serial":
+        ds = make()
+    elif kind == "keras-threads":
+        ds = make(workers=workers, use_multiprocessing=False, max_queue_size=max_queue)
+    elif kind == "keras-mp":
+        ds = make(workers=workers, use_multiprocessing=True, max_queue_size=max_queue)
+    elif kind.startswith("kpipe"):
+        ds = kpipe.ProcessLoader(make(), workers=workers, max_queue_size=max_queue, use_threads=kind == "kpipe-threads")
+    adapter = PyDatasetAdapter(ds, shuffle=False)
+    for _ in range(epochs):
+        adapter.on_epoch_begin()
+        consume(adapter.get_numpy_iterator(), counts)
+        adapter.on_epoch_end()
+    elapsed = time.perf_counter() - t0
+    if hasattr(ds, "close"):
+        ds.close()
+    return counts, elapsed, t0
+
+
+def run_tfdata(make, epochs, workers, max_queue):
+    import tensorflow as tf
+
+    counts = [0, 0, None]
+    t0 = time.perf_counter()
+    ds = make()
+    x0, y0 = ds[0]
+
+    def load(i):
+        return ds[int(i)]
+
+    def fn(i):
+        x, y = tf.numpy_function(load, [i], (tf.as_dtype(x0.dtype), tf.as_dtype(y0.dtype)))
+        return tf.ensure_shape(x, (None,) + x0.shape[1:]), y
+
+    tfds = tf.data.Dataset.range(len(ds)).map(fn, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+    for _ in range(epochs):
+        consume(tfds.as_numpy_iterator(), counts)
+    return counts, time.perf_counter() - t0, t0
+
+
+_CEILING_CHILD = r"""
+import sys, time, cloudpickle
+with open(sys.argv[1], "rb") as f:
+    ds = cloudpickle.load(f)
+w, n_workers, epochs = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+ds[w % len(ds)]  # warm-up (lazy file opening), not timed
+t0 = time.perf_counter(); samples = 0
+for _ in range(epochs):
+    for i in range(w, len(ds), n_workers):
+        samples += len(ds[i][0])
+print(samples, time.perf_counter() - t0)
+"""
+
+
+def run_ceiling(make, epochs, workers):
+    """`workers` bare processes doing the same batches, returning nothing."""
+    import cloudpickle
+
+    from kpipe._engine import _pydataset_shim
+
+    ds = make()
+    with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as f:
+        cloudpickle.dump(ds, f)
+        path = f.name
+    # Children import keras for the PyDataset base; give them the TF-free stand-in instead.
+    code = (
+        "import sys, types, kpipe._engine._pydataset_shim as s\n"
+        "for name in ['keras', 'keras.src', 'keras.src.trainers', 'keras.src.trainers.data_adapters']:\n"
+        "    sys.modules[name] = types.ModuleType(name)\n"
+        "m = types.ModuleType('keras.src.trainers.data_adapters.py_dataset_adapter'); m.PyDataset = s.PyDataset\n"
+        "sys.modules[m.__name__] = m\n" + _CEILING_CHILD
+    )
+    del _pydataset_shim
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, path, str(w), str(workers), str(epochs)], stdout=subprocess.PIPE, text=True, env=env)
+        for w in range(workers)
+    ]
+    rates = []
+    for p in procs:
+        out, _ = p.communicate(timeout=1800)
+        samples, elapsed = out.split()[-2:]
+        rates.append(int(samples) / float(elapsed))
+    os.unlink(path)
+    return sum(rates)
+
+
+# ------------------------------------------------------------------------------- driver
+def measure(workload, make, loaders, epochs, workers, max_queue):
+    rows = []
+    for kind in loaders:
+        with PeakRSS() as rss:
+            if kind == "tf.data":
+                counts, elapsed, t0 = run_tfdata(make, epochs, workers, max_queue)
+            else:
+                counts, elapsed, t0 = run_pydataset(make, kind, epochs, workers, max_queue)
+        rows.append(
+            {
+                "workload": workload,
+                "loader": kind,
+                "workers": 0 if kind == "serial" else workers,
+                "batches": counts[0],
+                "samples_per_s": counts[1] / elapsed,
+                "first_batch_s": counts[2] - t0,
+                "peak_rss_mb": rss.peak / 2**20,
+            }
+        )
+        print(f"  {workload}: {kind:<14} {rows[-1]['samples_per_s']:10.1f} samples/s", flush=True)
+    ceiling = run_ceiling(make, epochs, workers)
+    serial = next((r["samples_per_s"] for r in rows if r["loader"] == "serial"), None)
+    for r in rows:
+        r["x_serial"] = r["samples_per_s"] / serial if serial else None
+        r["x_ceiling"] = r["samples_per_s"] / ceiling
+    rows.append({"workload": workload, "loader": f"ceiling", "workers": workers, "samples_per_s": ceiling, "x_serial": ceiling / serial if serial else None, "x_ceiling": 1.0})
+    return rows
+
+
+def rss_growth(make, epochs, workers):
+    """kpipe's process-tree RSS after epoch 2 vs the peak over the remaining epochs."""
+    loader = kpipe.ProcessLoader(make(), workers=workers)
+    meter = PeakRSS()
+    after = []
+    for epoch in range(epochs):
+        for i in range(len(loader)):
+            loader[i]
+        loader.on_epoch_end()
+        after.append(meter.now())
+    loader.close()
+    base = after[1]
+    return {"epochs": epochs, "rss_after_epoch2_mb": base / 2**20, "rss_max_later_mb": max(after[2:]) / 2**20, "growth_pct": 100.0 * (max(after[2:]) - base) / base}
+
+
+def print_table(rows):
+    head = f"{'workload':<9}{'loader':<15}{'workers':>8}{'samples/s':>12}{'x serial':>10}{'x ceiling':>11}{'1st batch s':>13}{'peak RSS MB':>13}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        fmt = lambda k, f: (format(r[k], f) if r.get(k) is not None else "-")  # noqa: E731
+        print(
+            f"{r['workload']:<9}{r['loader']:<15}{r['workers']:>8}{fmt('samples_per_s', '.1f'):>12}{fmt('x_serial', '.2f'):>10}"
+            f"{fmt('x_ceiling', '.2f'):>11}{fmt('first_batch_s', '.3f'):>13}{fmt('peak_rss_mb', '.0f'):>13}"
+        )
+
+
+def check_targets(rows, growth, io_workers):
+    def get(w, loader):
+        return next((r for r in rows if r["workload"] == w and r["loader"] == loader), None)
+
+    checks = []
+    b_k, b_mp, b_s = get("b", "kpipe"), get("b", "keras-mp"), get("b", "serial")
+    if b_k and b_mp and b_s:
+        checks.append(("(b) kpipe >= 3x keras-mp", b_k["samples_per_s"] / b_mp["samples_per_s"], 3.0))
+        checks.append(("(b) kpipe >= 1.5x serial", b_k["x_serial"], 1.5))
+    a_k, a_mp = get("a", "kpipe"), get("a", "keras-mp")
+    if a_k and a_mp:
+        checks.append(("(a) kpipe >= 0.85x ceiling", a_k["x_ceiling"], 0.85))
+        checks.append(("(a) kpipe >= 1.2x keras-mp", a_k["samples_per_s"] / a_mp["samples_per_s"], 1.2))
+    for loader in ("kpipe", "kpipe-threads"):
+        c = get(f"c@{io_workers}", loader)
+        if c:
+            checks.append((f"(c) {loader} x{io_workers} >= 8x serial", c["x_serial"], 8.0))
+    firsts = [r["first_batch_s"] for r in rows if r["loader"] == "kpipe" and r.get("first_batch_s") is not None]
+    if firsts:
+        checks.append(("kpipe first batch <= 0.5 s (worst workload)", max(firsts), 0.5))
+    if growth:
+        checks.append((f"kpipe RSS growth over {growth['epochs']} epochs < 5%", growth["growth_pct"], 5.0))
+    print("\nTargets:")
+    for name, value, target in checks:
+        ok = value <= target if ("<=" in name or "<" in name.split("x")[-1] and "growth" in name) else value >= target
+        if "first batch" in name or "growth" in name:
+            ok = value <= target
+        print(f"  {'PASS' if ok else 'MISS'}  {name}: measured {value:.2f}")
+    return checks
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="a,b,c", help="comma-separated subset of a,b,c. Default: a,b,c")
+    parser.add_argument("--workers", type=int, default=2, help="workers for every parallel loader. Default: 2")
+    parser.add_argument("--io-workers", type=int, default=16, help="workers for workload c (plus a run at --workers). Default: 16")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs timed per loader. Default: 2")
+    parser.add_argument("--max-queue-size", type=int, default=10, help="batches in flight. Default: 10")
+    parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")
+    parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, not a measurement)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in workloads if w not in ("a", "b", "c")]
+    if bad:
+        parser.error(f"--workloads takes a, b, c. Received: {','.join(bad)}")
+    loaders = ["serial", "keras-threads", "keras-mp", "tf.data", "kpipe"]
+    scale = 0.125 if args.quick else 1.0
+    rows, growth = [], None
+    tmpdir = tempfile.mkdtemp(prefix="kpipe-bench-")
+    try:
+        if "a" in workloads:
+            make = lambda **kw: Augment(num_images=int(2048 * scale), **kw)  # noqa: E731
+            rows += measure("a", make, loaders, args.epochs, args.workers, args.max_queue_size)
+            if args.rss_epochs:
+                growth = rss_growth(make, args.rss_epochs if not args.quick else 4, args.workers)
+        if "b" in workloads:
+            path = make_h5(os.path.join(tmpdir, "images.h5"), args.h5_mb * scale)
+            make = lambda **kw: H5Images(path, **kw)  # noqa: E731
+            rows += measure("b", make, loaders, args.epochs, args.workers, args.max_queue_size)
+        if "c" in workloads:
+            n = max(8, int(48 * scale))
+            make = lambda **kw: Waits(n=n, **kw)  # noqa: E731
+            rows += measure("c", make, loaders, args.epochs, args.workers, args.max_queue_size)
+            io_rows = measure(f"c@{args.io_workers}", make, ["serial", "keras-threads", "keras-mp", "kpipe", "kpipe-threads"], args.epochs, args.io_workers, max(args.max_queue_size, 2 * args.io_workers))
+            rows += io_rows
+    finally:
+        for name in os.listdir(tmpdir):
+            os.unlink(os.path.join(tmpdir, name))
+        os.rmdir(tmpdir)
+
+    print(f"\nLoader benchmark: {os.cpu_count()} CPUs, epochs={args.epochs}, workers={args.workers}, "
+          f"tensorflow {__import__('tensorflow').__version__}, keras {keras.__version__}\n")
+    print_table(rows)
+    if growth:
+        print(f"\nkpipe RSS over {growth['epochs']} epochs (workload a): after epoch 2 {growth['rss_after_epoch2_mb']:.0f} MB, "
+              f"max later {growth['rss_max_later_mb']:.0f} MB, growth {growth['growth_pct']:+.1f}%")
+    check_targets(rows, growth, args.io_workers)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "rss_growth": growth, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
