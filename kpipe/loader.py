@@ -65,9 +65,12 @@ class ProcessLoader(keras.utils.PyDataset):
         num_shards: Split each epoch's batches into this many shards (one per
             data-parallel worker); the loader loads only shard `shard_index`: positions
             `shard_index, shard_index + num_shards, ...` of the epoch's order,
-            `n // num_shards` of them. Defaults to None (no sharding).
+            `n // num_shards` of them, so every worker runs the same number of steps.
+            Defaults to None: under a multi-worker `TF_CONFIG`, one shard per worker
+            (`kpipe.distribute.default_shard()`), else no sharding. Pass 1 to load
+            everything in every worker.
         shard_index: This loader's shard, `0 <= shard_index < num_shards`. Defaults
-            to None.
+            to None (see `num_shards`).
 
     Raises:
         ValueError: for invalid arguments or an empty dataset.
@@ -127,6 +130,10 @@ class ProcessLoader(keras.utils.PyDataset):
         self.timeout = float(timeout)
         self._name = type(dataset).__name__
         num_batches = _num_batches(dataset)
+        if num_shards is None and shard_index is None:
+            from kpipe.distribute._cluster import default_shard
+
+            num_shards, shard_index = default_shard() or (None, None)
         num_shards, shard_index = _check_shards(num_shards, shard_index, num_batches, shuffle, seed)
         if shuffle and num_batches is None:
             raise ValueError(
@@ -204,6 +211,16 @@ class ProcessLoader(keras.utils.PyDataset):
             self._restart_epoch(resync=self._stateful)
 
     # ------------------------------------------------------------------ extras
+    @property
+    def num_shards(self):
+        """How many shards each epoch is split into (1: no sharding)."""
+        return self._planner.num_shards
+
+    @property
+    def shard_index(self):
+        """Which shard this loader loads."""
+        return self._planner.shard_index
+
     @property
     def epoch(self):
         """Index of the current epoch (incremented by `on_epoch_end`)."""

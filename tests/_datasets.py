@@ -206,3 +206,19 @@ class Regression:
         if self.weights:
             return self.x[s], self.y[s], self.w[s]
         return self.x[s], self.y[s]
+
+
+class BreaksInWorkers:
+    """Pickles fine, but cannot be restored in a worker."""
+
+    def __init__(self):
+        self.state = 1
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return np.zeros(1)
+
+    def __setstate__(self, state):
+        raise RuntimeError("cannot restore BreaksInWorkers here")

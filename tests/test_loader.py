@@ -186,3 +186,19 @@ def test_as_dataset_yields_one_epoch_per_iteration(no_leaks):
             assert len(got) == 5 and all(np.array_equal(g, ds[i][0]) for i, g in enumerate(got))
         assert loader.epoch == 2
         assert isinstance(tfds, tf.data.Dataset)
+
+
+def test_multi_worker_tf_config_shards_by_default(monkeypatch):
+    import json
+
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+    seen = []
+    for index in range(2):
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        loader = kpipe.ProcessLoader(Squares(n=9), workers=0, shuffle=True, seed=4)
+        assert (loader.num_shards, loader.shard_index, len(loader)) == (2, index, 4)
+        seen += [int(loader[i][0][0, 0]) for i in range(4)]
+        assert len(kpipe.ProcessLoader(Squares(n=9), workers=0, num_shards=1, shard_index=0)) == 9
+    assert len(set(seen)) == 8
+    with pytest.raises(ValueError, match="needs a `seed`"):
+        kpipe.ProcessLoader(Squares(n=9), workers=0, shuffle=True)

@@ -296,3 +296,15 @@ def test_fork_start_method_without_tensorflow(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__))))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=env)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_dataset_that_fails_to_load_in_workers_is_reported(start_method, no_leaks):
+    from _datasets import BreaksInWorkers
+
+    with pytest.raises(RuntimeError, match=r"(?s)cannot restore BreaksInWorkers here.*while unpickling `BreaksInWorkers`"):
+        loader = kpipe.ProcessLoader(BreaksInWorkers(), workers=2, start_method=start_method)
+        try:
+            loader[0]
+        finally:
+            loader.close()
