@@ -45,6 +45,9 @@ class ProcessLoader(keras.utils.PyDataset):
             batches in the calling thread. Defaults to 2.
         max_queue_size: Batches loaded ahead of the consumer; bounds memory to about
             `max_queue_size` batches. Defaults to `max(4, 2 * workers)`.
+        max_queue_bytes: Also bound the bytes loaded ahead: fewer batches are queued
+            when the last batch times the queue length would exceed it (at least one
+            batch per worker stays in flight). Defaults to None (batches only).
         shuffle: Permute the batch order every epoch, from `(seed, epoch)` only: the
             same seed gives the same batches whatever `workers` is. Defaults to False.
         seed: Seed of the shuffle and of the workers' `random`/`numpy.random` (each
@@ -101,6 +104,7 @@ class ProcessLoader(keras.utils.PyDataset):
         *,
         workers=2,
         max_queue_size=None,
+        max_queue_bytes=None,
         shuffle=False,
         seed=None,
         start_method=None,
@@ -114,6 +118,9 @@ class ProcessLoader(keras.utils.PyDataset):
             max_queue_size = max(4, 2 * workers)
         max_queue_size = _check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")
         super().__init__(workers=1, use_multiprocessing=False, max_queue_size=max_queue_size)
+        if max_queue_bytes is not None:
+            max_queue_bytes = _check_int("max_queue_bytes", max_queue_bytes, 1, "Use None to bound by batches only.")
+        self.max_queue_bytes = max_queue_bytes
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError(f"`timeout` must be a positive number of seconds. Received: timeout={timeout!r}.")
         if start_method not in (None, "forkserver", "spawn", "fork"):
@@ -149,7 +156,7 @@ class ProcessLoader(keras.utils.PyDataset):
         self._backend = None
         self._closed = False
         self._checker = _tree.StructureChecker(self._name)
-        self._stats = {"batches": 0, "samples": 0, "bytes": 0, "wait_s": 0.0, "first_batch_s": None, "restarts": 0}
+        self._stats = {"batches": 0, "samples": 0, "bytes": 0, "last_batch_bytes": 0, "wait_s": 0.0, "first_batch_s": None, "restarts": 0}
         self._t_created = time.perf_counter()
         self._start_backend()
         self._fill()
@@ -188,9 +195,9 @@ class ProcessLoader(keras.utils.PyDataset):
                 self._stats["wait_s"] += time.perf_counter() - t0
             try:
                 self._checker.check(self._planner.index(self._epoch, index), *_structure(batch, meta))
+                self._account(meta)
             finally:
                 self._fill()
-            self._account(meta)
             return batch
 
     def on_epoch_begin(self):
@@ -341,7 +348,11 @@ class ProcessLoader(keras.utils.PyDataset):
         if backend is None or backend.closed:
             return
         n = self._planner.length
-        while len(self._queue) < self.max_queue_size and (n is None or self._next_dispatch < n):
+        limit = self.max_queue_size
+        last = self._stats["last_batch_bytes"]
+        if self.max_queue_bytes is not None:  # until a batch size is known: one per worker
+            limit = max(1, self.num_workers, min(limit, self.max_queue_bytes // last if last else 0))
+        while len(self._queue) < limit and (n is None or self._next_dispatch < n):
             key = self._planner.index(self._epoch, self._next_dispatch)
             self._queue.append((self._next_dispatch, backend.submit(key)))
             self._next_dispatch += 1
@@ -390,7 +401,9 @@ class ProcessLoader(keras.utils.PyDataset):
         st["batches"] += 1
         if meta and len(meta[0][1]):
             st["samples"] += int(meta[0][1][0])
-        st["bytes"] += sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for d, s in meta)
+        nbytes = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for d, s in meta)
+        st["bytes"] += nbytes
+        st["last_batch_bytes"] = nbytes
         if st["first_batch_s"] is None:
             st["first_batch_s"] = time.perf_counter() - self._t_created
 

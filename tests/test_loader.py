@@ -202,3 +202,14 @@ def test_multi_worker_tf_config_shards_by_default(monkeypatch):
     assert len(set(seen)) == 8
     with pytest.raises(ValueError, match="needs a `seed`"):
         kpipe.ProcessLoader(Squares(n=9), workers=0, shuffle=True)
+
+
+def test_max_queue_bytes_limits_batches_in_flight(no_leaks):
+    ds = Squares(n=30, batch=256)  # 2 KiB per batch (two float32 leaves of 256)
+    with kpipe.ProcessLoader(ds, workers=2, max_queue_size=10, max_queue_bytes=2048 * 3) as loader:
+        assert len(loader._queue) == 2  # one per worker until a batch size is known
+        loader[0]
+        assert len(loader._queue) == 3  # 6 KiB / 2 KiB per batch
+        assert all(equal_batches(loader[i], ds[i]) for i in range(1, 30))
+    with pytest.raises(ValueError, match="`max_queue_bytes` must be >= 1"):
+        kpipe.ProcessLoader(ds, workers=0, max_queue_bytes=0)
