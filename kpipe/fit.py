@@ -104,6 +104,8 @@ def fit_generator(
             timeout=timeout,
         )
         owned.append(loader)
+        if initial_epoch:
+            loader.set_epoch(initial_epoch)
         return loader
 
     try:

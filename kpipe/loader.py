@@ -233,6 +233,15 @@ class ProcessLoader(keras.utils.PyDataset):
         """Index of the current epoch (incremented by `on_epoch_end`)."""
         return self._epoch
 
+    def set_epoch(self, epoch):
+        """Jumps to the plan of `epoch`, e.g. when training resumes at `initial_epoch`,
+        so that a resumed run sees the same shuffled batches as an uninterrupted one."""
+        epoch = _check_int("epoch", epoch, 0, "")
+        with self._lock:
+            if epoch != self._epoch:
+                self._epoch = epoch
+                self._restart_epoch(resync=False)
+
     def stats(self):
         """Counters since construction: `batches`, `samples`, `bytes`, `wait_s` (time the
         consumer blocked waiting for workers), `first_batch_s` (construction to first
@@ -277,7 +286,12 @@ class ProcessLoader(keras.utils.PyDataset):
                 i += 1
             self.on_epoch_end()
 
-        return tf.data.Dataset.from_generator(generate, output_signature=signature).prefetch(prefetch)
+        ds = tf.data.Dataset.from_generator(generate, output_signature=signature).prefetch(prefetch)
+        if self.num_shards > 1:  # already this worker's share: no second split by tf.data
+            from kpipe.distribute import mark_presharded
+
+            ds = mark_presharded(ds)
+        return ds
 
     def close(self):
         """Stops the workers and frees shared memory. Idempotent. Batches already

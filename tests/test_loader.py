@@ -213,3 +213,13 @@ def test_max_queue_bytes_limits_batches_in_flight(no_leaks):
         assert all(equal_batches(loader[i], ds[i]) for i in range(1, 30))
     with pytest.raises(ValueError, match="`max_queue_bytes` must be >= 1"):
         kpipe.ProcessLoader(ds, workers=0, max_queue_bytes=0)
+
+
+def test_set_epoch_replays_the_plan_of_that_epoch(no_leaks):
+    ds = Squares(n=10)
+    with kpipe.ProcessLoader(ds, workers=2, shuffle=True, seed=9) as a, kpipe.ProcessLoader(ds, workers=1, shuffle=True, seed=9) as b:
+        for _ in range(3):
+            [a[i] for i in range(10)]
+            a.on_epoch_end()
+        b.set_epoch(3)
+        assert [int(a[i][0][0, 0]) for i in range(10)] == [int(b[i][0][0, 0]) for i in range(10)]

@@ -21,8 +21,9 @@ class Warmup(keras.callbacks.Callback):
 
     * a float (Keras keeps it in a variable, which `LearningRateScheduler` and
       `ReduceLROnPlateau` assign): the variable is assigned before each step of the
-      warmup and set to `target_lr` at step `T`; other callbacks may change it afterwards.
-      With `steps_per_execution > 1` the rate changes once per execution.
+      warmup and set to `target_lr` at step `T` (or when `fit()` ends before `T`); other
+      callbacks may change it afterwards. With `steps_per_execution > 1` the rate changes
+      once per execution.
     * a `LearningRateSchedule`, or a zero-argument callable: it is wrapped, for the
       duration of `fit()`, in one that computes the ramp inside the compiled step and
       calls yours from step `T` on.
@@ -74,7 +75,7 @@ class Warmup(keras.callbacks.Callback):
         self.verbose = verbose
         self._plan = None          # (warmup_steps, initial_lr, target_lr) once known
         self._user_schedule = None  # the optimizer's schedule while we wrap it
-        self._step = 0
+        self._step = None  # optimizer step of the next batch, read at the first batch
         self._variable_mode = False
 
     # -- the plan --------------------------------------------------------------------
@@ -131,22 +132,31 @@ class Warmup(keras.callbacks.Callback):
                 optimizer.learning_rate = _WarmupCallable(lr, optimizer, steps, initial, target)
             # A step compiled by an earlier fit() baked in the old schedule: recompile.
             self.model.make_train_function(force=True)
-        self._step = int(keras.ops.convert_to_numpy(optimizer.iterations))
+        # Read the step at the first batch: `BackupAndRestore` may restore the optimizer
+        # (and its step count) in an `on_train_begin` that runs after this one.
+        self._step = None
         if self.verbose:
-            print(f"Warmup: {initial:.6g} -> {target:.6g} over {steps} steps "
-                  f"(now at step {self._step}).")
+            print(f"Warmup: {initial:.6g} -> {target:.6g} over {steps} optimizer steps.")
 
     def on_train_batch_begin(self, batch, logs=None):
         if not self._variable_mode:
             return
+        if self._step is None:
+            self._step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
         steps, initial, target = self._plan
         if self._step <= steps:
             self.model.optimizer.learning_rate = _ramp(self._step, steps, initial, target)
 
     def on_train_batch_end(self, batch, logs=None):
-        self._step += int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if self._step is not None:
+            self._step += int(getattr(self.model, "steps_per_execution", 1) or 1)
 
     def on_train_end(self, logs=None):
+        steps, _, target = self._plan
+        if self._variable_mode and (self._step is None or self._step < steps):
+            # fit() ended inside the warmup: leave the rate the optimizer was built with,
+            # so that the next fit() (with a new Warmup) ramps to the same target.
+            self.model.optimizer.learning_rate = target
         if self._user_schedule is not None:
             self.model.optimizer.learning_rate = self._user_schedule
             self._user_schedule = None

@@ -132,18 +132,19 @@ class BlockSource(Source):
     def num_samples(self) -> int:
         return sum(self.lengths)
 
-    def build(self, shard: ShardSpec, shuffle_seed: Optional[int] = None, **kwargs):
+    def build(self, shard: ShardSpec, shuffle: bool = False, seed: Optional[int] = None):
         import tensorflow as tf
 
         blocks = plan_blocks(self.lengths, self.grids, shard)
         ds = tf.data.Dataset.from_tensor_slices(blocks)
-        if shuffle_seed is not None and len(blocks) > 1:
-            ds = ds.shuffle(len(blocks), seed=shuffle_seed, reshuffle_each_iteration=True)
+        shuffle = shuffle and len(blocks) > 1
+        if shuffle:
+            ds = ds.shuffle(len(blocks), seed=seed, reshuffle_each_iteration=True)
         ids = list(range(len(self.leaves)))
         ds = ds.map(
             lambda row: tuple(self._read_tf(row, ids)), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
         )
-        if shuffle_seed is not None and len(blocks) > 1:
+        if shuffle:
             ds = ds.interleave(
                 lambda *arrays: tf.data.Dataset.from_tensor_slices(arrays),
                 cycle_length=min(self.cycle_length, len(blocks)),
@@ -152,7 +153,9 @@ class BlockSource(Source):
         else:
             ds = ds.unbatch()
         structure = self.structure
-        return ds.map(lambda *flat: tf.nest.map_structure(lambda i: flat[i], structure))
+        ds = ds.map(lambda *flat: tf.nest.map_structure(lambda i: flat[i], structure))
+        # A known length lets Keras size epochs and progress bars (and catches shrunk data).
+        return ds.apply(tf.data.experimental.assert_cardinality(int(blocks[:, 2].sum() - blocks[:, 1].sum())))
 
     def _read_tf(self, row, ids):
         import tensorflow as tf

@@ -157,21 +157,22 @@ class _FileSource(Source):
     def labels(self):
         return self.label_array
 
-    def build(self, shard, shuffle_seed=None, **kwargs):
+    def build(self, shard, shuffle=False, seed=None):
         import tensorflow as tf
 
         take = np.arange(shard.index, len(self.paths), shard.num_shards)
         ds = tf.data.Dataset.from_tensor_slices(
             (tf.constant(self.paths[take].astype(str).tolist(), tf.string), self.label_array[take])
         )
-        if shuffle_seed is not None and len(take) > 1:
-            ds = ds.shuffle(len(take), seed=shuffle_seed, reshuffle_each_iteration=True)
+        if shuffle and len(take) > 1:
+            ds = ds.shuffle(len(take), seed=seed, reshuffle_each_iteration=True)
         # NOTE: decoding runs inside a one-element dataset with `ignore_errors`, so a failure
         # becomes an `ok=False` element that still carries its path: the error (or the skip
         # notice) can then name the file, which a failing op in a plain `map` cannot.
         ds = ds.interleave(self._try_decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         if self.on_error == "raise":
-            return ds.map(_raise_if_failed, num_parallel_calls=tf.data.AUTOTUNE)
+            ds = ds.map(_raise_if_failed, num_parallel_calls=tf.data.AUTOTUNE)
+            return ds.apply(tf.data.experimental.assert_cardinality(len(take)))
         skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="kpipe_skipped_images")
         return ds.filter(lambda path, image, label, ok: _count_skip(skipped, path, ok)).map(
             lambda path, image, label, ok: (image, label)

@@ -12,8 +12,8 @@ from kpipe.data._paths import expand_paths
 from kpipe.data._sharding import resolve_shard
 from kpipe.data._source import attach
 
-# Files one reading thread keeps open at once (least recently used ones are closed).
-_MAX_OPEN_PER_THREAD = 32
+# Idle h5py handles kept open for reuse, over all files (least recently used closed first).
+_MAX_IDLE_HANDLES = 64
 # h5py's per-dataset chunk cache; holds a few chunks of the label array between blocks.
 _CHUNK_CACHE_BYTES = 4 << 20
 
@@ -27,10 +27,12 @@ def from_hdf5(paths, x, y=None, *, block_size=None, input_context=None, num_shar
     call per block, never per sample, never the whole file), several blocks in parallel.
     Works with chunked and compressed (gzip, lzf, ...) files.
 
-    Files are opened lazily, once per reading thread (h5py handles are not safe to share
-    between threads), and closed when the dataset is garbage collected. h5py serializes all
-    reads of a process behind one lock, so parallel reads overlap I/O with training rather
-    than with each other. The returned dataset may be iterated from several threads; it
+    Files are opened lazily and a handle is used by one reading thread at a time (h5py
+    objects are not safe to share between threads); handles are reused across reads and
+    epochs and closed when the dataset is garbage collected. h5py serializes all reads of
+    a process behind one lock (measured: 1, 2 or 4 threads read a gzip file at the same
+    rate), so parallel reads overlap I/O with training rather than with each other; what
+    makes reading fast is one call per chunk-aligned block instead of one per sample. The returned dataset may be iterated from several threads; it
     holds Python state and cannot be serialized (e.g. for the tf.data service).
 
     Pass the result to `kpipe.data.pipeline` to shard, shuffle, map and batch it: the
@@ -170,10 +172,15 @@ def _list_datasets(f, limit=20):
 class _Hdf5Reader:
     """Reads row blocks of HDF5 datasets; safe to call from many threads at once.
 
-    Each thread opens its own `h5py.File` handles on first use (h5py objects must not be
-    shared between threads) and keeps up to `_MAX_OPEN_PER_THREAD` open. All handles are
-    closed when the reader is garbage collected (or at interpreter exit). Pickling the reader
-    (to send it to a process) drops the handles; the copy opens its own.
+    h5py objects must not be used by two threads at once, so each read checks a handle
+    out of a pool (opening one lazily when every handle of that file is busy) and checks
+    it back in afterwards: a handle is only ever used by one thread at a time, and the pool
+    holds about as many handles per file as there were concurrent reads. (A per-thread
+    cache does not work here: tf.data calls Python from C++ threads whose Python thread
+    state, and so their `threading.local` data, is created anew for each call.) At most
+    `_MAX_IDLE_HANDLES` idle handles are kept; all are closed when the reader is garbage
+    collected or at interpreter exit. Pickling the reader (to send it to a process) drops
+    the handles; the copy opens its own.
     """
 
     def __init__(self, paths, keys):
@@ -182,9 +189,10 @@ class _Hdf5Reader:
         self._init_state()
 
     def _init_state(self):
-        self._local = threading.local()
         self._lock = threading.Lock()
-        self._open = []
+        self._idle = collections.OrderedDict()  # part -> [(file, datasets)], least recently used first
+        self._open = []  # every handle open now, idle or checked out
+        self.opened = 0  # handles opened so far (for tests and tuning)
         self._finalizer = weakref.finalize(self, _close_files, self._open, self._lock)
 
     def __getstate__(self):
@@ -195,29 +203,41 @@ class _Hdf5Reader:
         self._init_state()
 
     def read(self, part, lo, hi, ids):
-        datasets = self._datasets(part)
-        return [datasets[i][lo:hi] for i in ids]
+        entry = self._checkout(part)
+        try:
+            return [entry[1][i][lo:hi] for i in ids]
+        finally:
+            self._checkin(part, entry)
 
-    def _datasets(self, part):
+    def _checkout(self, part):
         import h5py
 
-        cache = getattr(self._local, "cache", None)
-        if cache is None:
-            cache = self._local.cache = collections.OrderedDict()
-        entry = cache.get(part)
-        if entry is not None:
-            cache.move_to_end(part)
-            return entry[1]
+        with self._lock:
+            stack = self._idle.get(part)
+            if stack:
+                return stack.pop()
         f = h5py.File(self.paths[part], "r", rdcc_nbytes=_CHUNK_CACHE_BYTES)
         with self._lock:
             self._open.append(f)
-        cache[part] = (f, [f[k] for k in self.keys])
-        if len(cache) > _MAX_OPEN_PER_THREAD:
-            _, (old, _) = cache.popitem(last=False)
-            with self._lock:
-                self._open.remove(old)
-            old.close()
-        return cache[part][1]
+            self.opened += 1
+        return f, [f[k] for k in self.keys]
+
+    def _checkin(self, part, entry):
+        evicted = []
+        with self._lock:
+            self._idle.setdefault(part, []).append(entry)
+            self._idle.move_to_end(part)
+            idle = sum(len(v) for v in self._idle.values())
+            while idle > _MAX_IDLE_HANDLES:
+                oldest = next(iter(self._idle))
+                f, _ = self._idle[oldest].pop(0)
+                if not self._idle[oldest]:
+                    del self._idle[oldest]
+                self._open.remove(f)
+                evicted.append(f)
+                idle -= 1
+        for f in evicted:
+            f.close()
 
 
 def _close_files(files, lock):

@@ -41,8 +41,9 @@ def from_numpy(x, y=None, *, block_size=None, input_context=None, num_shards=Non
 
     >>> import numpy as np, kpipe
     >>> ds = kpipe.data.from_numpy(np.arange(12).reshape(6, 2), np.arange(6) % 2)
-    >>> next(ds.as_numpy_iterator())
-    (array([0, 1]), 0)
+    >>> x, y = next(ds.as_numpy_iterator())
+    >>> x.tolist(), int(y)
+    ([0, 1], 0)
     """
     shard = resolve_shard(input_context, num_shards, index)
     items, structure, label_leaf = flatten_keys(x, y)

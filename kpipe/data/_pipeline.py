@@ -66,7 +66,8 @@ def pipeline(
             `map_fn` and batching, one batch per hand-off, in order. It is sent with
             cloudpickle (lambdas and notebook functions work) and called once in this
             process to learn its output shapes, unless `py_output_signature` is given.
-            Its outputs must have the same shape for every sample. Defaults to None.
+            Its outputs must have the same shape for every sample. The workers are kept
+            between epochs and stopped after 30 s without use. Defaults to None.
         workers: Worker processes for `py_map_fn`. Defaults to None (one per CPU core).
         shuffle: Shuffle buffer in samples, True for a default buffer (10,000 samples, or
             fewer so that it holds at most ~512 MiB), or None/False/0 for no shuffling.
@@ -97,6 +98,10 @@ def pipeline(
     Raises:
         ValueError: for invalid arguments; for an unseeded shuffle of a sharded dataset.
         TypeError: if `ds` is not a `tf.data.Dataset` or a function is not callable.
+        tf.errors.OpError: while iterating, when `py_map_fn` raises, a worker dies or a
+            batch exceeds `timeout`. tf.data turns Python exceptions into its own types
+            (`InvalidArgumentError` for ValueError/TypeError, `UnknownError` otherwise);
+            the message keeps the original type, message and the worker's traceback.
 
     Example:
 
@@ -124,8 +129,9 @@ def pipeline(
             "workers silently duplicate and drop samples."
         )
     if source is not None:
+        # With a cache, samples are stored in the order of the first epoch: read in storage order.
         if shard != record[1] or (shuffling and not cache):
-            ds = source.build(shard, seed if shuffling and not cache else None)
+            ds = source.build(shard, shuffle=shuffling and not cache, seed=seed)
     elif shard.sharded:
         ds = ds.shard(shard.num_shards, shard.index)
     sample_ds = ds

@@ -15,14 +15,20 @@ A whole batch travels per hand-off, so the per-item cost (a socket message and t
 copies) is paid once per batch. Each iteration of the dataset borrows the pool's idle
 `ProcessMapper` (or starts one); it is given back when the iteration ends -- also when the
 consumer stops early, in which case batches still in flight are discarded -- and closed
-instead if it broke (a worker died or timed out). Idle workers are stopped when the
-dataset is garbage collected or the interpreter exits.
+instead if it broke (a worker died or timed out). Idle workers are stopped after
+`_IDLE_CLOSE_S` without use (tf.data never releases a `from_generator` dataset's Python
+state, so garbage collection cannot be relied on), at interpreter exit, or by `close()`.
 """
 
 import threading
 import weakref
 
 from kpipe.data._pybatch import BatchApply, flatten, unflatten
+
+# Idle workers are stopped after this long without an iteration. tf.data keeps a
+# `from_generator` dataset's Python state alive after the dataset object is gone, so the
+# dataset's garbage collection cannot be relied on to stop them.
+_IDLE_CLOSE_S = 30.0
 
 
 def py_map(batched, fn, *, workers, timeout, seed, output_signature, options):
@@ -57,6 +63,9 @@ def py_map(batched, fn, *, workers, timeout, seed, output_signature, options):
             pool.release(mapper)
 
     ds = tf.data.Dataset.from_generator(generate, output_signature=batch_signature)
+    cardinality = int(batched.cardinality())
+    if cardinality >= 0 or cardinality == tf.data.INFINITE_CARDINALITY:
+        ds = ds.apply(tf.data.experimental.assert_cardinality(cardinality))
     ds._kpipe_mapper_pool = pool  # keeps the pool as long as the dataset object; for tests
     return ds
 
@@ -86,12 +95,14 @@ class _MapperPool:
         self._kwargs = dict(workers=workers, timeout=timeout, seed=seed)
         self._lock = threading.Lock()
         self._idle = []
+        self._timer = None
         self._finalizer = weakref.finalize(self, _close_all, self._idle, self._lock)
 
     def acquire(self):
         from kpipe._engine.mapper import ProcessMapper
 
         with self._lock:
+            self._cancel_timer()
             if self._idle:
                 return self._idle.pop()
         return ProcessMapper(self._fn, **self._kwargs)
@@ -102,11 +113,22 @@ class _MapperPool:
         with self._lock:
             if not self._idle and self._finalizer.alive:
                 self._idle.append(mapper)
+                self._cancel_timer()
+                self._timer = threading.Timer(_IDLE_CLOSE_S, _close_all, (self._idle, self._lock))
+                self._timer.daemon = True
+                self._timer.start()
                 return
         mapper.close()
 
+    def _cancel_timer(self):
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def close(self):
         """Stops the idle workers. Idempotent."""
+        with self._lock:
+            self._cancel_timer()
         self._finalizer()
 
 

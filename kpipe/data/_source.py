@@ -24,13 +24,14 @@ class Source(abc.ABC):
     what: str = "source"
 
     @abc.abstractmethod
-    def build(self, shard: ShardSpec, shuffle_seed: Optional[int] = None, **kwargs):
+    def build(self, shard: ShardSpec, shuffle: bool = False, seed: Optional[int] = None):
         """Returns a `tf.data.Dataset` of the samples of `shard`.
 
         Args:
             shard: Which part to read.
-            shuffle_seed: If not None, read the blocks/files in an order shuffled with this
-                seed, reshuffled on each iteration. Defaults to None (storage order).
+            shuffle: Read the blocks/files in a shuffled order, reshuffled on each
+                iteration. Defaults to False (storage order).
+            seed: Seed of that order. Defaults to None (random).
         """
 
     def labels(self) -> Optional[np.ndarray]:

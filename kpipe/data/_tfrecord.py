@@ -101,7 +101,7 @@ class _RecordSource(Source):
         name = paths[0] if len(paths) == 1 else f"{paths[0]}, ... ({len(paths)} files)"
         self.what = f"from_tfrecord({name!r})"
 
-    def build(self, shard, shuffle_seed=None, **kwargs):
+    def build(self, shard, shuffle=False, seed=None):
         import tensorflow as tf
 
         by_file = len(self.paths) >= shard.num_shards
@@ -116,8 +116,8 @@ class _RecordSource(Source):
         ds = tf.data.Dataset.from_tensor_slices(paths)
         # Shuffling the file order is only safe when shards own whole files: record-level
         # sharding needs the same record order in every shard.
-        if shuffle_seed is not None and by_file and len(paths) > 1:
-            ds = ds.shuffle(len(paths), seed=shuffle_seed, reshuffle_each_iteration=True)
+        if shuffle and by_file and len(paths) > 1:
+            ds = ds.shuffle(len(paths), seed=seed, reshuffle_each_iteration=True)
         compression = self.compression_type
         ds = ds.interleave(
             lambda p: tf.data.TFRecordDataset(p, compression_type=compression),

@@ -72,8 +72,7 @@ def class_weights(labels_or_dataset, mode="balanced", *, num_classes=None):
 def _labels(value):
     record = source_of(value)
     if record is not None:
-        source, shard = record
-        labels = source.labels()
+        labels = record[0].labels()
         if labels is not None:
             return _squeeze(np.asarray(labels))
     if _is_dataset(value):

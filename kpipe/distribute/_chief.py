@@ -20,6 +20,7 @@ from typing import List, Optional
 
 from kpipe.distribute._cluster import cluster_info
 
+_SCRATCH_PREFIX = "kpipe-worker"
 _scratch_lock = threading.Lock()
 _scratch_dir: Optional[str] = None
 _scratch_count = 0
@@ -141,10 +142,38 @@ def _throwaway(path: str) -> str:
     global _scratch_dir, _scratch_count
     with _scratch_lock:
         if _scratch_dir is None:
+            _remove_stale_scratch_dirs()
             index = cluster_info().worker_index
-            _scratch_dir = tempfile.mkdtemp(prefix=f"kpipe-worker{index}-")
+            _scratch_dir = tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{index}-pid{os.getpid()}-")
             atexit.register(shutil.rmtree, _scratch_dir, ignore_errors=True)
         _scratch_count += 1
         slot = os.path.join(_scratch_dir, str(_scratch_count))
     os.makedirs(slot, exist_ok=True)
     return os.path.join(slot, os.path.basename(os.fspath(path).rstrip("/\\")) or "out")
+
+
+def _remove_stale_scratch_dirs() -> None:
+    # A worker killed by a signal (SIGKILL, or SIGTERM from `kpipe launch` when another
+    # worker failed) never runs its atexit cleanup. Its directory names its pid: remove
+    # the directories of processes that no longer exist.
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_SCRATCH_PREFIX) or "-pid" not in name:
+            continue
+        pid_text = name.split("-pid", 1)[1].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True

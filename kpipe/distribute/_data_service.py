@@ -37,9 +37,9 @@ def start_dispatcher(port: int = 0, *, work_dir: Optional[str] = None):
     >>> d.target.startswith("grpc://")
     True
     """
+    _check_port(port)
     import tensorflow as tf
 
-    _check_port(port)
     config = tf.data.experimental.service.DispatcherConfig(
         port=port, protocol="grpc", work_dir=work_dir, fault_tolerant_mode=work_dir is not None)
     return tf.data.experimental.service.DispatchServer(config)
@@ -65,10 +65,10 @@ def start_worker(dispatcher: str, port: int = 0, *, host: str = "127.0.0.1"):
     >>> d = start_dispatcher()
     >>> w = start_worker(d.target)
     """
-    import tensorflow as tf
-
     _check_port(port)
     address = _strip_protocol(dispatcher)
+    import tensorflow as tf
+
     if port == 0:
         from kpipe.distribute._launcher import free_ports
 
@@ -109,12 +109,12 @@ def via_data_service(dataset, service: str, *, processing_mode: str = "distribut
         ds = kpipe.distribute.via_data_service(ds, "10.0.0.5:5050")
         model.fit(ds, epochs=10)
     """
-    import tensorflow as tf
-
     if processing_mode not in _PROCESSING_MODES:
         raise ValueError(f"`processing_mode` must be one of {_PROCESSING_MODES}. "
                          f"Received: processing_mode={processing_mode!r}.")
     address = _strip_protocol(service)
+    import tensorflow as tf
+
     return dataset.apply(tf.data.experimental.service.distribute(
         processing_mode=processing_mode, service=f"grpc://{address}", job_name=job_name))
 

@@ -295,14 +295,14 @@ class _Job:
         kill_at = None
         while True:
             codes = [p.poll() for p in self.procs]
-            if all(c is not None for c in codes):
-                return
-            if self._failed is None:
+            if self._failed is None and self.signal_count == 0 and not self._timed_out:
                 failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
                     self._failed = failed[0]
                     self._signal_all(signal.SIGTERM)
                     kill_at = time.monotonic() + grace_s
+            if all(c is not None for c in codes):
+                return
             if self.signal_count > self._forwarded_count:
                 now = time.monotonic()
                 # The first signal is forwarded; a second one means "stop now".

@@ -11,7 +11,7 @@
 `is_presharded` and `check_shuffle_seed` do not import TensorFlow.
 """
 
-from typing import List, Optional
+from typing import List
 
 from kpipe.distribute._cluster import cluster_info
 
@@ -202,10 +202,3 @@ def _both_zero(seed, seed2) -> bool:
     except (TypeError, ValueError):
         return False
 
-
-def per_worker_batch_note(num_workers: int) -> Optional[str]:
-    """A one-line explanation of batch sizes under presharded input, for logs."""
-    if num_workers <= 1:
-        return None
-    return (f"presharded input: each of the {num_workers} workers feeds its own batches; "
-            f"global batch = {num_workers} x the loader's batch size")

@@ -114,6 +114,15 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         return value
 
 
+def _keras_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("keras")
+    except Exception:  # noqa: BLE001 -- only for the log line
+        return "?"
+
+
 def _static_rank(value) -> Optional[int]:
     shape = getattr(value, "shape", None)
     return None if shape is None else shape.rank
@@ -216,9 +225,10 @@ def auto_strategy(*, devices: Optional[Sequence[str]] = None, communication: str
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=_COMMUNICATION[communication])
         strategy = MultiWorkerMirroredStrategy(communication_options=options)
-        logger.info("auto_strategy: MultiWorkerMirroredStrategy (kpipe-repaired), "
-                    "communication=%s, because TF_CONFIG lists %d training processes; this "
-                    "is %s %d (worker %d of %d), %d replica(s) in sync.", communication,
+        logger.info("auto_strategy: MultiWorkerMirroredStrategy (kpipe-repaired for Keras "
+                    "%s fit()), communication=%s, because TF_CONFIG lists %d training "
+                    "processes; this is %s %d (worker %d of %d), %d replica(s) in sync.",
+                    _keras_version(), communication,
                     info.num_workers, info.task_type, info.task_index, info.worker_index,
                     info.num_workers, strategy.num_replicas_in_sync)
         return strategy

@@ -1,0 +1,79 @@
+"""`kpipe launch`: run a local multi-worker job, one `TF_CONFIG` per process.
+
+    kpipe launch --workers 2 -- python train.py --epochs 3
+    kpipe launch --print-tf-config 10.0.0.1:2222,10.0.0.2:2222
+
+From a notebook, run it through `subprocess` (the launcher then owns the processes and
+stops them all when one fails or the cell is interrupted):
+
+    subprocess.run([sys.executable, "-m", "kpipe.cli", "launch", "--workers", "2", "--",
+                    sys.executable, "train.py"], check=True)
+
+Does not import TensorFlow.
+"""
+
+import argparse
+import sys
+
+HELP = "run a local multi-worker job, one TF_CONFIG per process"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds `kpipe launch`'s options to `parser`."""
+    parser.add_argument("--workers", type=int, default=2,
+                        help="number of local worker processes (default: 2)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="first port; workers listen on PORT, PORT+1, ... "
+                             "(default: free ports)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the workers listen on (default: 127.0.0.1)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="stop every worker after SECONDS and exit with 124")
+    parser.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
+                        help="seconds between SIGTERM and SIGKILL when stopping (default: 10)")
+    parser.add_argument("--print-tf-config", metavar="HOST:PORT,...", default=None,
+                        help="print the TF_CONFIG of each host of a real multi-host job "
+                             "and exit")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the program to run, after `--`")
+    parser.epilog = ("Each worker gets TF_CONFIG (worker i of N; worker 0 is the chief) and "
+                     "KPIPE_LAUNCH_WORKER=i; its output lines are prefixed with [worker i]. "
+                     "When one worker fails, the others are stopped and its exit code is "
+                     "returned; Ctrl-C is forwarded to every worker.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `kpipe launch`; returns the exit code."""
+    from kpipe.distribute import _launcher
+
+    if args.print_tf_config is not None:
+        try:
+            addresses = _launcher.parse_addresses(args.print_tf_config)
+        except ValueError as e:
+            print(f"kpipe launch: --print-tf-config: {e}", file=sys.stderr)
+            return 2
+        print(_launcher.format_tf_configs(addresses))
+        return 0
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("kpipe launch: no command given. Usage: kpipe launch --workers 2 -- python "
+              "train.py", file=sys.stderr)
+        return 2
+    try:
+        result = _launcher.launch(command, workers=args.workers, port=args.port,
+                                  host=args.host, timeout_s=args.timeout, grace_s=args.grace)
+    except ValueError as e:
+        print(f"kpipe launch: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"kpipe launch: cannot start {command[0]!r}: {e}", file=sys.stderr)
+        return 127
+    if result.failed_worker is not None:
+        print(f"kpipe launch: worker {result.failed_worker} exited with status "
+              f"{result.returncode}; stopped the others.", file=sys.stderr)
+    elif result.timed_out:
+        print(f"kpipe launch: timed out after {args.timeout} s; stopped every worker.",
+              file=sys.stderr)
+    return result.returncode

@@ -1,0 +1,236 @@
+"""Is the GPU busy? A ResNet-style model fed by Keras multiprocessing vs `kpipe.ProcessLoader`.
+
+Trains the same ResNet-style network for a fixed number of steps twice, each arm in its
+own Python process (a fresh TensorFlow, and a hang in one arm cannot stall the other):
+
+  (a) `keras`: the dataset as a `keras.utils.PyDataset(workers=W, use_multiprocessing=True)`;
+  (b) `kpipe`: the same dataset in `kpipe.ProcessLoader(dataset, workers=W)`.
+
+The dataset makes batches the way image pipelines do: uint8 "decoded" images, then per
+image a random crop, flip, colour jitter and conversion to float32 in NumPy. While each arm
+runs, `nvidia-smi` is sampled at 10 Hz; only samples inside the arm's timed steps count
+(the first epoch, with graph compilation and worker start-up, is a warm-up). Printed per
+arm: GPU busy % (mean utilisation), samples/s and input-wait share (InputProfiler).
+
+Run it through `scripts/gpu_check.sh`, which installs what is needed and exits 0 on a
+machine without an NVIDIA GPU. `--cpu-ok` runs it without a GPU (GPU columns say n/a):
+for trying the script itself.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+_SMI_PERIOD_MS = 100
+
+
+class Images:
+    """Synthetic image batches with NumPy augmentation. No TensorFlow: sent to workers."""
+
+    def __init__(self, steps, batch_size, size, classes=10, seed=0):
+        self.steps, self.batch_size, self.size, self.classes, self.seed = steps, batch_size, size, classes, seed
+        self.epoch = 0
+
+    def __len__(self):
+        return self.steps
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng((self.seed, self.epoch, i))
+        pad = self.size // 8
+        raw = rng.integers(0, 256, size=(self.batch_size, self.size + 2 * pad, self.size + 2 * pad, 3), dtype=np.uint8)
+        labels = rng.integers(0, self.classes, size=self.batch_size)
+        out = np.empty((self.batch_size, self.size, self.size, 3), dtype=np.float32)
+        for k in range(self.batch_size):
+            r, c = rng.integers(0, 2 * pad + 1, size=2)
+            img = raw[k, r : r + self.size, c : c + self.size].astype(np.float32) / 255.0
+            if rng.random() < 0.5:
+                img = img[:, ::-1]
+            img = (img - img.mean()) * rng.uniform(0.8, 1.2) + img.mean() + rng.uniform(-0.1, 0.1)
+            out[k] = np.clip(img, 0.0, 1.0)
+        return out, labels
+
+    def on_epoch_end(self):
+        self.epoch += 1
+
+
+def build_resnet(keras, size, classes, widths=(64, 128, 256, 512), blocks=2):
+    """A ResNet-18-style network: stem, 4 stages of `blocks` basic residual blocks."""
+    L = keras.layers
+    inputs = keras.Input((size, size, 3))
+    x = L.Conv2D(widths[0], 3, padding="same", use_bias=False)(inputs)
+    x = L.Activation("relu")(L.BatchNormalization()(x))
+    for stage, width in enumerate(widths):
+        for block in range(blocks):
+            stride = 2 if stage > 0 and block == 0 else 1
+            shortcut = x
+            y = L.Conv2D(width, 3, strides=stride, padding="same", use_bias=False)(x)
+            y = L.Activation("relu")(L.BatchNormalization()(y))
+            y = L.BatchNormalization()(L.Conv2D(width, 3, padding="same", use_bias=False)(y))
+            if stride != 1 or shortcut.shape[-1] != width:
+                shortcut = L.BatchNormalization()(L.Conv2D(width, 1, strides=stride, use_bias=False)(shortcut))
+            x = L.Activation("relu")(L.Add()([y, shortcut]))
+    x = L.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, L.Dense(classes)(x))
+
+
+def run_arm(args):
+    """One arm, in this process: trains 2 epochs of `--steps`; prints a JSON line."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import tensorflow as tf
+
+    import kpipe
+
+    keras.mixed_precision.set_global_policy("mixed_float16" if tf.config.list_physical_devices("GPU") else "float32")
+    dataset = Images(args.steps, args.batch, args.size)
+    model = build_resnet(keras, args.size, dataset.classes)
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    profiler = kpipe.callbacks.InputProfiler(warn_above=None)
+
+    class Clock(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                self.start = time.time()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.end = time.time()
+
+    clock = Clock()
+    if args.arm == "keras":
+
+        class KerasImages(keras.utils.PyDataset):
+            def __init__(self, inner):
+                super().__init__(workers=args.workers, use_multiprocessing=True, max_queue_size=2 * args.workers)
+                self.inner = inner
+
+            def __len__(self):
+                return len(self.inner)
+
+            def __getitem__(self, i):
+                return self.inner[i]
+
+            def on_epoch_end(self):
+                self.inner.on_epoch_end()
+
+        model.fit(KerasImages(dataset), epochs=2, verbose=0, callbacks=[profiler, clock])
+    else:
+        with kpipe.ProcessLoader(dataset, workers=args.workers, max_queue_size=2 * args.workers) as loader:
+            model.fit(loader, epochs=2, verbose=0, callbacks=[profiler, clock])
+    timed = profiler.epochs[-1]
+    print("ARM_RESULT " + json.dumps({
+        "arm": args.arm, "start": clock.start, "end": clock.end,
+        "samples_per_sec": timed["samples_per_sec"], "input_wait_share": timed["input_wait_share"],
+        "steps": timed["steps"],
+    }), flush=True)
+    return 0
+
+
+class _SmiSampler:
+    """Streams `nvidia-smi` utilisation every 100 ms into (time, mean % over GPUs) pairs."""
+
+    def __init__(self):
+        self.samples = []
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", f"-lms={_SMI_PERIOD_MS}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        self._gpus = max(1, len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout.splitlines()))
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        batch = []
+        for line in self._proc.stdout:
+            try:
+                batch.append(float(line.strip()))
+            except ValueError:
+                continue
+            if len(batch) == self._gpus:
+                self.samples.append((time.time(), sum(batch) / len(batch)))
+                batch = []
+
+    def busy(self, start, end):
+        window = [u for t, u in self.samples if start <= t <= end]
+        return (sum(window) / len(window), len(window)) if window else (None, 0)
+
+    def close(self):
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=5)
+
+
+def _launch_arm(arm, args):
+    cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--steps", str(args.steps), "--batch", str(args.batch),
+           "--size", str(args.size), "--workers", str(args.workers)]
+    with tempfile.TemporaryFile("w+") as err:
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, timeout=args.arm_timeout)
+        except subprocess.TimeoutExpired:
+            return {"arm": arm, "error": f"did not finish within {args.arm_timeout}s (a hung input pipeline?)"}
+        err.seek(0)
+        tail = err.read()[-2000:]
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("ARM_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        return {"arm": arm, "error": f"exit code {proc.returncode}: {tail}"}
+    return json.loads(line[len("ARM_RESULT "):])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60, help="training steps per epoch (2 epochs per arm; the 2nd is timed). Defaults to 60.")
+    parser.add_argument("--batch", type=int, default=128, help="batch size. Defaults to 128.")
+    parser.add_argument("--size", type=int, default=96, help="image side in pixels. Defaults to 96.")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="loader workers in both arms. Defaults to min(8, CPU cores).")
+    parser.add_argument("--arm-timeout", type=float, default=120.0, help="seconds one arm may take. Defaults to 120.")
+    parser.add_argument("--cpu-ok", action="store_true", help="run without a GPU (no utilisation figures)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--arm", choices=("keras", "kpipe"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.arm:
+        return run_arm(args)
+    have_smi = subprocess.run(["sh", "-c", "command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null"]).returncode == 0
+    if not have_smi and not args.cpu_ok:
+        print("gpu_check: no NVIDIA GPU (nvidia-smi missing or failing); nothing to check.")
+        return 0
+    sampler = _SmiSampler() if have_smi else None
+    results = []
+    try:
+        for arm in ("keras", "kpipe"):
+            print(f"gpu_check: running arm {arm} ({args.steps} steps x 2 epochs, batch {args.batch}, {args.size}px, {args.workers} workers)...", flush=True)
+            result = _launch_arm(arm, args)
+            if sampler and "error" not in result:
+                result["gpu_busy_pct"], result["gpu_samples"] = sampler.busy(result["start"], result["end"])
+            results.append(result)
+    finally:
+        if sampler:
+            sampler.close()
+    names = {"keras": f"keras PyDataset (multiprocessing, {args.workers} workers)", "kpipe": f"kpipe ProcessLoader ({args.workers} workers)"}
+    print(f"\n{'input fed by':<46}{'GPU busy':>9}{'samples/s':>11}{'input wait':>12}")
+    for r in results:
+        if "error" in r:
+            print(f"{names[r['arm']]:<46}  failed: {r['error'][-300:]}")
+            continue
+        busy = f"{r['gpu_busy_pct']:.0f}%" if r.get("gpu_busy_pct") is not None else "n/a"
+        print(f"{names[r['arm']]:<46}{busy:>9}{r['samples_per_sec']:>11.0f}{r['input_wait_share']:>12.0%}")
+    ok = [r for r in results if "error" not in r]
+    if len(ok) == 2:
+        print(f"kpipe / keras samples/s: {ok[1]['samples_per_sec'] / ok[0]['samples_per_sec']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "arm"}, "results": results}, f, indent=2)
+    return 0 if any(r["arm"] == "kpipe" and "error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())

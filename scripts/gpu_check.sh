@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU check: is the GPU kept busy? Keras multiprocessing vs kpipe.ProcessLoader feeding a
+# ResNet-style model, with nvidia-smi sampled at 10 Hz (see scripts/gpu_check.py).
+#
+#   scripts/gpu_check.sh                   # defaults: 60 steps x 2 epochs per arm, < 5 minutes
+#   scripts/gpu_check.sh --workers 16 --json gpu.json
+#   PYTHON=/path/to/python scripts/gpu_check.sh   # use an existing environment
+#
+# Without an NVIDIA GPU it says so and exits 0. Otherwise it makes sure `kpipe` (this
+# checkout, `pip install -e .`) and a TensorFlow that sees the GPU are installed in the
+# chosen Python (default: ./.venv if present, else a new ./.venv-gpu), then runs the check.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu_check: no NVIDIA GPU found (nvidia-smi missing or failing); nothing to check."
+    exit 0
+fi
+nvidia-smi -L
+
+if [ -n "${PYTHON:-}" ]; then
+    PY="$PYTHON"
+elif [ -x .venv/bin/python ]; then
+    PY=.venv/bin/python
+else
+    [ -x .venv-gpu/bin/python ] || python3 -m venv .venv-gpu
+    PY=.venv-gpu/bin/python
+fi
+
+sees_gpu() {
+    "$PY" - <<'PY' 2>/dev/null
+import os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import tensorflow as tf
+sys.exit(0 if tf.config.list_physical_devices("GPU") else 1)
+PY
+}
+
+"$PY" -c "import kpipe" 2>/dev/null || "$PY" -m pip install -q -e .
+if ! sees_gpu; then
+    echo "gpu_check: TensorFlow in $PY does not see the GPU; installing tensorflow[and-cuda]..."
+    TF_VERSION=$("$PY" -c "import tensorflow as tf; print(tf.__version__)" 2>/dev/null || echo "")
+    "$PY" -m pip install -q "tensorflow[and-cuda]${TF_VERSION:+==$TF_VERSION}"
+    if ! sees_gpu; then
+        echo "gpu_check: nvidia-smi lists a GPU but TensorFlow cannot use it (CUDA driver/library mismatch?)." >&2
+        exit 1
+    fi
+fi
+
+# 5-minute budget for the whole check; each arm also has its own timeout.
+exec timeout 290 "$PY" scripts/gpu_check.py "$@"

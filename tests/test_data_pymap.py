@@ -1,0 +1,205 @@
+"""pipeline(py_map_fn=...): Python steps in kpipe worker processes.
+
+The per-sample functions are defined inside the tests so cloudpickle sends them by value:
+workers then never import this module (nor TensorFlow).
+"""
+
+import gc
+import time
+
+import numpy as np
+import psutil
+import pytest
+import tensorflow as tf
+
+import kpipe.data
+import kpipe.data._pymap
+
+pytestmark = pytest.mark.multiprocess
+N = 40
+
+
+def _children():
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+@pytest.fixture
+def no_leaked_workers(monkeypatch):
+    """Idle workers stop 0.2 s after an iteration ends; none may be left after the test."""
+    monkeypatch.setattr(kpipe.data._pymap, "_IDLE_CLOSE_S", 0.2)
+    before = _children()
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _children() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _children() - before == set()
+
+
+def _source():
+    x = np.arange(N * 4, dtype=np.float32).reshape(N, 2, 2)
+    return kpipe.data.from_numpy(x, np.arange(N), block_size=8)
+
+
+def _expected(fn):
+    x = np.arange(N * 4, dtype=np.float32).reshape(N, 2, 2)
+    return [fn(x[i], np.int64(i)) for i in range(N)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_results_in_order_and_equal_to_a_serial_loop(workers, no_leaked_workers):
+    def augment(x, y):
+        return {"image": np.flip(x, axis=0).astype(np.float64) + y, "twice": np.float32(2 * y)}, y % 3
+
+    ds = kpipe.data.pipeline(_source(), batch_size=6, py_map_fn=augment, workers=workers)
+    assert ds.element_spec[0]["image"] == tf.TensorSpec((None, 2, 2), tf.float64)
+    assert ds.cardinality() == 7
+    for epoch in range(2):
+        got = [
+            (img, tw, lab)
+            for batch, labels in ds.as_numpy_iterator()
+            for img, tw, lab in zip(batch["image"], batch["twice"], labels)
+        ]
+        want = _expected(augment)
+        assert len(got) == N
+        for (img, tw, lab), (w, wl) in zip(got, want):
+            assert np.array_equal(img, w["image"]) and tw == w["twice"] and lab == wl
+    del ds
+
+
+@pytest.mark.timeout(120)
+def test_runs_after_map_fn_and_shuffle_with_exactly_once(no_leaked_workers):
+    def scale(x, y):
+        return x * 10.0, y
+
+    ds = kpipe.data.pipeline(
+        _source(), batch_size=8, map_fn=lambda x, y: (x + 1.0, y), py_map_fn=scale, workers=2, shuffle=16, seed=0
+    )
+    pairs = [(x, y) for xb, yb in ds.as_numpy_iterator() for x, y in zip(xb, yb)]
+    assert sorted(int(y) for _, y in pairs) == list(range(N))
+    for x, y in pairs:
+        assert x[0, 0] == (4 * y + 1) * 10
+
+
+@pytest.mark.timeout(120)
+def test_worker_pool_is_reused_across_epochs_and_early_stops(no_leaked_workers, monkeypatch):
+    monkeypatch.setattr(kpipe.data._pymap, "_IDLE_CLOSE_S", 60.0)
+
+    def ident(x, y):
+        return x, y
+
+    ds = kpipe.data.pipeline(_source(), batch_size=4, py_map_fn=ident, workers=2)
+    for i, _ in enumerate(ds):  # stop early, mid-epoch
+        if i == 1:
+            break
+    gc.collect()
+    pool = _find_pool(ds)
+    pids = set(pool._idle[0]._backend.pids)
+    assert len(pids) == 2 and pids <= _children()
+    assert len(list(ds.as_numpy_iterator())) == 10  # a full epoch after the early stop
+    assert set(pool._idle[0]._backend.pids) == pids
+    pool.close()
+    assert not pool._idle
+    del ds, pool
+
+
+@pytest.mark.timeout(120)
+def test_idle_workers_stop_after_the_idle_timeout(no_leaked_workers):
+    def ident(x, y):
+        return x, y
+
+    ds = kpipe.data.pipeline(_source(), batch_size=4, py_map_fn=ident, workers=2)
+    assert len(list(ds.as_numpy_iterator())) == 10
+    deadline = time.monotonic() + 10
+    while _find_pool(ds)._idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _find_pool(ds)._idle  # stopped although `ds` is still alive
+    assert len(list(ds.as_numpy_iterator())) == 10  # and started again on demand
+
+
+def _find_pool(ds):
+    # pipeline() ends with prefetch + options; the mapper pool sits on the from_generator
+    # dataset underneath. Walk the input datasets to find it.
+    todo = [ds]
+    while todo:
+        d = todo.pop()
+        if hasattr(d, "_kpipe_mapper_pool"):
+            return d._kpipe_mapper_pool
+        todo.extend(d._inputs())
+    raise AssertionError("no mapper pool found")
+
+
+@pytest.mark.timeout(120)
+def test_error_in_fn_names_type_message_and_worker_traceback(no_leaked_workers):
+    def picky(x, y):
+        if int(y) == 13:
+            raise ValueError(f"sample {int(y)} is bad")
+        return x, y
+
+    ds = kpipe.data.pipeline(_source(), batch_size=4, py_map_fn=picky, workers=2)
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        list(ds.as_numpy_iterator())
+    message = str(info.value)
+    assert "ValueError: sample 13 is bad" in message
+    assert "Original traceback" in message and "in picky" in message
+    del ds, info
+
+
+@pytest.mark.timeout(120)
+def test_timeout_fires_and_workers_are_stopped(no_leaked_workers):
+    def slow(x, y):
+        if int(y) == 9:
+            time.sleep(60)
+        return x, y
+
+    ds = kpipe.data.pipeline(_source(), batch_size=4, py_map_fn=slow, workers=2, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(tf.errors.OpError, match="did not arrive within timeout=1.0 s"):
+        list(ds.as_numpy_iterator())
+    assert time.monotonic() - t0 < 50
+    del ds
+
+
+@pytest.mark.timeout(120)
+def test_dead_worker_is_reported(no_leaked_workers):
+    def crash(x, y):
+        if int(y) == 21:
+            import os
+
+            os._exit(3)
+        return x, y
+
+    ds = kpipe.data.pipeline(_source(), batch_size=4, py_map_fn=crash, workers=2)
+    with pytest.raises(tf.errors.OpError, match=r"WorkerDiedError: Worker \d \(pid \d+\).*exited with code 3"):
+        list(ds.as_numpy_iterator())
+    del ds
+
+
+@pytest.mark.timeout(120)
+def test_outputs_must_keep_their_shape(no_leaked_workers):
+    def ragged(x, y):
+        return np.zeros(int(y) % 2 + 1, np.float32), y
+
+    ds = kpipe.data.pipeline(_source(), batch_size=4, py_map_fn=ragged, workers=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"output 0 has shape \(2,\) for sample 1.*same shape"):
+        list(ds.as_numpy_iterator())
+
+
+def test_declared_signature_skips_the_probe_and_casts():
+    calls = []
+
+    def fn(x, y):
+        calls.append(1)  # runs only in this process (workers=0) once iterated
+        return x.sum(), y
+
+    signature = (tf.TensorSpec((), tf.float16), tf.TensorSpec((), tf.int64))
+    ds = kpipe.data.pipeline(_source(), batch_size=8, py_map_fn=fn, workers=0, py_output_signature=signature)
+    assert calls == []
+    x, y = next(iter(ds))
+    assert x.dtype == tf.float16 and x.shape == (8,) and float(x[1]) == 4 + 5 + 6 + 7
+
+
+def test_probe_rejects_non_numeric_outputs():
+    with pytest.raises(TypeError, match="py_map_fn returned output 0 with dtype <U"):
+        kpipe.data.pipeline(_source(), batch_size=8, py_map_fn=lambda x, y: (str(y), y), workers=0)

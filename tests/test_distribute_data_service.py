@@ -1,0 +1,79 @@
+"""tf.data service on loopback: `kpipe data-service dispatcher` + 2 `kpipe data-service worker`
+processes run a `kpipe.data.pipeline` that a third process trains on with `fit()`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROGRAMS = os.path.join(ROOT, "tests", "programs")
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+       "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+_START_TIMEOUT_S = 90
+
+pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
+
+
+def _start(tmp_path, name, *args):
+    log = open(tmp_path / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kpipe.cli", "data-service", *args], env=ENV,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc
+
+
+def _wait_for_line(tmp_path, name, proc, marker):
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for line in (tmp_path / f"{name}.log").read_text().splitlines():
+            if marker in line:
+                return line
+        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
+        time.sleep(0.1)
+    raise AssertionError(f"{name} did not print {marker!r} in {_START_TIMEOUT_S} s")
+
+
+@pytest.mark.timeout(240)
+def test_dispatcher_and_two_workers_feed_fit(tmp_path, no_leaks):
+    servers = []
+    try:
+        dispatcher = _start(tmp_path, "dispatcher", "dispatcher")
+        servers.append(dispatcher)
+        line = _wait_for_line(tmp_path, "dispatcher", dispatcher, "dispatcher listening on ")
+        address = line.rsplit(" ", 1)[1]
+        assert address.startswith("127.0.0.1:")
+        for i in range(2):
+            servers.append(_start(tmp_path, f"worker{i}", "worker", "--dispatcher", address))
+        for i in range(2):
+            _wait_for_line(tmp_path, f"worker{i}", servers[i + 1], "worker listening on 127.0.0.1:")
+
+        out = tmp_path / "fit.json"
+        trainer = subprocess.run([sys.executable, os.path.join(PROGRAMS, "ds_fit.py"), address,
+                                  str(out)], env=ENV, capture_output=True, text=True, timeout=150)
+        assert trainer.returncode == 0, trainer.stdout[-3000:] + trainer.stderr[-3000:]
+        result = json.loads(out.read_text())
+        assert result["ids"] == list(range(64))  # one epoch: every sample exactly once
+        assert len(result["loss"]) == 2 and all(loss > 0 for loss in result["loss"])
+
+        for proc in servers:  # SIGTERM is a clean stop
+            proc.send_signal(signal.SIGTERM)
+        for proc in servers:
+            assert proc.wait(timeout=30) == 0
+    finally:
+        for proc in servers:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_cli_rejects_bad_addresses():
+    proc = subprocess.run([sys.executable, "-m", "kpipe.cli", "data-service", "worker",
+                           "--dispatcher", "nohost"], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "Expected a tf.data service address like 127.0.0.1:5050. Received: 'nohost'" in proc.stderr

@@ -1,0 +1,30 @@
+"""MirroredStrategy over 2 logical CPU devices, chosen by `kpipe.distribute.auto_strategy`, in a
+fresh process: `kpipe.ProcessLoader` input with `class_weight` trains exactly like one device."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+       "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+ENV.pop("TF_CONFIG", None)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_two_logical_cpus_train_like_one_device(tmp_path, no_leaks):
+    out = tmp_path / "mirrored.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "programs", "mirrored_cpu.py"),
+                           str(out)], env=ENV, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["strategy"] == "MirroredStrategy" and result["replicas"] == 2
+    assert all(np.isfinite(result["loss_2_devices"]))
+    np.testing.assert_allclose(result["loss_2_devices"], result["loss_1_device"], rtol=1e-5)
+    assert result["max_weight_diff"] < 1e-5

@@ -1,0 +1,235 @@
+"""`kpipe launch` / `kpipe.distribute.launch`: TF_CONFIG per worker, output prefixes, failure
+propagation, signal forwarding, timeouts and no process left behind. No TensorFlow here."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from kpipe.distribute import _launcher, launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
+
+
+def _py(code):
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def _wait_for(predicate, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_each_worker_gets_its_tf_config_and_prefixed_output(no_leaks):
+    out = io.StringIO()
+    result = launch(_py("""
+        import os
+        print(os.environ["TF_CONFIG"])
+        print("second line")
+        """), workers=3, output=out)
+    assert result.returncode == 0 and result.returncodes == (0, 0, 0)
+    lines = out.getvalue().splitlines()
+    configs = {}
+    for line in lines:
+        prefix, _, rest = line.partition("] ")
+        worker = int(prefix.removeprefix("[worker "))
+        if rest.startswith("{"):
+            configs[worker] = json.loads(rest)
+    assert sorted(configs) == [0, 1, 2]
+    clusters = {json.dumps(c["cluster"]) for c in configs.values()}
+    assert len(clusters) == 1  # all workers agree on the cluster
+    addresses = configs[0]["cluster"]["worker"]
+    assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses)
+    assert [configs[i]["task"] for i in range(3)] == [{"type": "worker", "index": i} for i in range(3)]
+    assert sum(line.endswith("] second line") for line in lines) == 3
+
+
+def test_explicit_port_numbers_workers_consecutively(no_leaks):
+    port = _launcher.free_ports(1)[0]
+    out = io.StringIO()
+    result = launch(_py("import os; print(os.environ['TF_CONFIG'])"), workers=2, port=port, output=out)
+    assert result.returncode == 0
+    config = json.loads(out.getvalue().splitlines()[0].partition("] ")[2])
+    assert config["cluster"]["worker"] == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+
+
+def test_failing_worker_stops_the_others_and_sets_the_exit_code(no_leaks):
+    result = launch(_py("""
+        import os, sys, time
+        if os.environ["KPIPE_LAUNCH_WORKER"] == "1":
+            sys.exit(3)
+        time.sleep(120)
+        """), workers=2, output=io.StringIO(), grace_s=5)
+    assert result.returncode == 3
+    assert result.failed_worker == 1
+    assert result.returncodes == (-signal.SIGTERM, 3)
+
+
+def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(no_leaks):
+    result = launch(_py("""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if os.environ["KPIPE_LAUNCH_WORKER"] == "0":
+            sys.exit(5)
+        print("ready", flush=True)
+        time.sleep(120)
+        """), workers=2, output=io.StringIO(), grace_s=0.5)
+    assert result.returncode == 5 and result.failed_worker == 0
+    assert result.returncodes[1] == -signal.SIGKILL
+
+
+def test_signal_death_reads_as_128_plus_signal(no_leaks):
+    result = launch(_py("""
+        import os, signal
+        if os.environ["KPIPE_LAUNCH_WORKER"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        """), workers=2, output=io.StringIO())
+    assert result.returncode == 128 + signal.SIGKILL
+    assert result.failed_worker == 1
+
+
+def test_no_grandchild_outlives_the_job(tmp_path, no_leaks):
+    # Each worker starts a long-lived child (as a loader would) and exits: the launcher
+    # kills the whole process group.
+    result = launch(_py(f"""
+        import os, subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        with open(os.path.join({str(tmp_path)!r}, os.environ["KPIPE_LAUNCH_WORKER"]), "w") as f:
+            f.write(str(child.pid))
+        """), workers=2, output=io.StringIO())
+    assert result.returncode == 0
+    pids = [int((tmp_path / str(i)).read_text()) for i in range(2)]
+    assert _wait_for(lambda: all(_gone(pid) for pid in pids)), pids
+
+
+def test_timeout_stops_every_worker(no_leaks):
+    result = launch(_py("import time; time.sleep(120)"), workers=2, output=io.StringIO(),
+                    timeout_s=1.0, grace_s=2)
+    assert result.timed_out and result.returncode == 124
+    assert result.returncodes == (-signal.SIGTERM, -signal.SIGTERM)
+    assert result.failed_worker is None
+
+
+def test_failure_tail_is_kept_for_error_messages(no_leaks):
+    result = launch(_py("""
+        import os, sys
+        if os.environ["KPIPE_LAUNCH_WORKER"] == "1":
+            raise RuntimeError("boom in worker one")
+        """), workers=2, output=io.StringIO())
+    assert result.returncode == 1 and result.failed_worker == 1
+    assert "RuntimeError: boom in worker one" in result.tails[1]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"workers": 0}, "`workers` must be >= 1. Received: workers=0"),
+    ({"workers": 2, "port": 65535}, "`port` must leave room for 2 ports"),
+])
+def test_bad_arguments_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch(_py("pass"), output=io.StringIO(), **kwargs)
+    with pytest.raises(ValueError, match="`command` is empty"):
+        launch([], output=io.StringIO())
+
+
+def test_missing_program_raises_and_starts_nothing(no_leaks):
+    with pytest.raises(OSError):
+        launch(["/nonexistent/kpipe-test-program"], workers=2, output=io.StringIO())
+
+
+def test_address_helpers():
+    ports = _launcher.free_ports(3)
+    assert len(set(ports)) == 3
+    assert _launcher.parse_addresses(" a:1,b:2 ") == ["a:1", "b:2"]
+    for bad in ("a", "a:x", "a:0", "a:1,a:1", ""):
+        with pytest.raises(ValueError):
+            _launcher.parse_addresses(bad)
+    text = _launcher.format_tf_configs(["h0:10", "h1:11"])
+    exports = [line for line in text.splitlines() if line.startswith("export ")]
+    configs = [json.loads(line.split("=", 1)[1].strip("'")) for line in exports]
+    assert [c["task"]["index"] for c in configs] == [0, 1]
+    assert configs[1]["cluster"] == {"worker": ["h0:10", "h1:11"]}
+
+
+# -- the CLI, as a notebook or shell would run it ----------------------------------------
+
+def _cli(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "kpipe.cli", *args], env=ENV, capture_output=True,
+                          text=True, timeout=60, **kwargs)
+
+
+def test_cli_runs_the_job_and_returns_the_first_failure(no_leaks):
+    proc = _cli("launch", "--workers", "2", "--", *_py("""
+        import os, sys
+        print("hello from", os.environ["KPIPE_LAUNCH_WORKER"])
+        sys.exit(4 if os.environ["KPIPE_LAUNCH_WORKER"] == "1" else 0)
+        """))
+    assert proc.returncode == 4, proc.stderr
+    assert "[worker 0] hello from 0" in proc.stdout
+    assert "[worker 1] hello from 1" in proc.stdout
+    assert "worker 1 exited with status 4" in proc.stderr
+
+
+def test_cli_print_tf_config():
+    proc = _cli("launch", "--print-tf-config", "10.0.0.1:2222,10.0.0.2:2222")
+    assert proc.returncode == 0
+    exports = [line for line in proc.stdout.splitlines() if line.startswith("export TF_CONFIG=")]
+    assert len(exports) == 2
+    second = json.loads(exports[1].split("=", 1)[1].strip("'"))
+    assert second == {"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]},
+                      "task": {"type": "worker", "index": 1}}
+    bad = _cli("launch", "--print-tf-config", "10.0.0.1")
+    assert bad.returncode == 2 and "'10.0.0.1' is not a host:port address" in bad.stderr
+
+
+def test_cli_usage_errors():
+    assert _cli("launch", "--workers", "2").returncode == 2
+    proc = _cli("launch", "--workers", "0", "--", sys.executable, "-c", "pass")
+    assert proc.returncode == 2 and "workers=0" in proc.stderr
+    proc = _cli("launch", "--", "/nonexistent/kpipe-test-program")
+    assert proc.returncode == 127
+
+
+def test_cli_forwards_ctrl_c_to_every_worker(tmp_path, no_leaks):
+    program = _py(f"""
+        import os, signal, sys, time
+        me = os.environ["KPIPE_LAUNCH_WORKER"]
+        def on_sigint(signum, frame):
+            open(os.path.join({str(tmp_path)!r}, "sigint-" + me), "w").close()
+            sys.exit(0)
+        signal.signal(signal.SIGINT, on_sigint)
+        open(os.path.join({str(tmp_path)!r}, "ready-" + me), "w").close()
+        time.sleep(120)
+        """)
+    launcher = subprocess.Popen([sys.executable, "-m", "kpipe.cli", "launch", "--workers", "2", "--",
+                                 *program], env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert _wait_for(lambda: all((tmp_path / f"ready-{i}").exists() for i in range(2)))
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=30) == 130
+        assert all((tmp_path / f"sigint-{i}").exists() for i in range(2))
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
