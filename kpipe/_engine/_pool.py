@@ -592,7 +592,12 @@ class ProcessBackend:
         running = next((s for s in proc.pending if s != "state"), None)
         if running is not None and running in self._tasks:
             key = self._tasks[running].key
-        what = f"while loading batch {key} of `{self.name}`" if key is not None else f"while idle (`{self.name}`)"
+        if self._mode == "function" and running is not None:
+            what = f"while running `{self.name}` on item {running}"
+        elif key is not None:
+            what = f"while loading batch {key} of `{self.name}`"
+        else:
+            what = f"while idle (`{self.name}`)"
         return WorkerDiedError(f"Worker {proc.id} (pid {proc.pid}) {what}: it {describe_exit(code)}")
 
     def _timed_out(self, seq):

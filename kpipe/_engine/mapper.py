@@ -81,6 +81,11 @@ class ProcessMapper:
                 for seq in queue:
                     self._backend.discard(seq)
 
+    @property
+    def closed(self):
+        """True once `close()` ran or a fatal failure (dead worker, timeout) stopped it."""
+        return self._backend.closed
+
     def close(self):
         """Stops the workers. Idempotent."""
         self._backend.close()

@@ -54,6 +54,7 @@ on input can overlap device work and the share is then an upper bound on device 
 time from input (compare with `nvidia-smi`, as `scripts/gpu_check.sh` does).
 """
 
+import os
 import sys
 import time
 import warnings
@@ -195,7 +196,7 @@ class InputProfiler(keras.callbacks.Callback):
                 "InputProfiler measures input wait on the TensorFlow backend only; "
                 f"the active Keras backend is {keras.backend.backend()!r}. No input-wait "
                 "figures will be logged. Set KERAS_BACKEND=tensorflow to use it.",
-                stacklevel=2,
+                stacklevel=_caller_stacklevel(),
             )
             return
         current = getattr(self.model, "train_function", None)
@@ -229,7 +230,7 @@ class InputProfiler(keras.callbacks.Callback):
         share = figures["input_wait_share"]
         if self.warn_above is not None and not self._warned and share > self.warn_above:
             self._warned = True
-            warnings.warn(_advice(share, self.warn_above, epoch, self._input_kind), stacklevel=2)
+            warnings.warn(_advice(share, self.warn_above, epoch, self._input_kind), stacklevel=_caller_stacklevel())
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -325,6 +326,16 @@ def _describe_input(frame):
     return ("other", None)
 
 
+def _caller_stacklevel():
+    """`warnings.warn` stacklevel of the first frame outside Keras, TensorFlow and kpipe:
+    the user's `fit()` (or `kpipe.fit_generator`) call, so the warning points at their code."""
+    skip = (os.sep + "keras" + os.sep, os.sep + "tensorflow" + os.sep, os.path.dirname(os.path.dirname(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and any(part in frame.f_code.co_filename for part in skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _advice(share, warn_above, epoch, input_kind):
     kind, workers = input_kind or ("other", None)
     head = (
@@ -346,8 +357,9 @@ def _advice(share, warn_above, epoch, input_kind):
     elif kind == "tf.data":
         fix = (
             "Fix: map with `num_parallel_calls=tf.data.AUTOTUNE` and end the pipeline with "
-            "`.prefetch(tf.data.AUTOTUNE)` (`kpipe.data.pipeline` does both and runs "
-            "Python map functions in processes)."
+            "`.prefetch(tf.data.AUTOTUNE)` (`kpipe.data.pipeline` does both); move "
+            "Python/NumPy steps out of `tf.numpy_function` into `kpipe.data.pipeline("
+            "py_map_fn=..., workers=N)`, which runs them in processes."
         )
     else:
         fix = (

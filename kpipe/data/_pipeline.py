@@ -241,7 +241,11 @@ def _options(tf, deterministic, threadpool_size, shard):
     options.deterministic = deterministic
     options.threading.private_threadpool_size = threadpool_size or max(_MIN_THREADPOOL, 2 * (os.cpu_count() or 1))
     if shard.sharded:  # already sharded here: a strategy must not shard it again
+        from kpipe.distribute._sharding import PRESHARDED_MARKER
+
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        # ...nor split its (per-worker) batch across workers: kpipe's strategy reads this.
+        options.framework_type = [PRESHARDED_MARKER]
     return options
 
 

@@ -108,7 +108,7 @@ class _MapperPool:
         return ProcessMapper(self._fn, **self._kwargs)
 
     def release(self, mapper):
-        if _is_closed(mapper):
+        if mapper.closed:
             return
         with self._lock:
             if not self._idle and self._finalizer.alive:
@@ -130,11 +130,6 @@ class _MapperPool:
         with self._lock:
             self._cancel_timer()
         self._finalizer()
-
-
-def _is_closed(mapper):
-    backend = getattr(mapper, "_backend", None)
-    return bool(getattr(backend, "closed", False))
 
 
 def _close_all(idle, lock):
