@@ -234,8 +234,14 @@ class ProcessLoader(keras.utils.PyDataset):
         return self._epoch
 
     def set_epoch(self, epoch):
-        """Jumps to the plan of `epoch`, e.g. when training resumes at `initial_epoch`,
-        so that a resumed run sees the same shuffled batches as an uninterrupted one."""
+        """Jumps to the shuffle plan of `epoch`.
+
+        Call it before `model.fit(..., initial_epoch=epoch)` so that a resumed run sees
+        the same shuffled batches as an uninterrupted one (`fit` advances the loader once
+        before its first epoch, as it does in every run). Inside a callback, once `fit`
+        has started, restore a previously saved `loader.epoch` instead --
+        `kpipe.callbacks.BackupAndRestore(loaders=[...])` does this.
+        """
         epoch = _check_int("epoch", epoch, 0, "")
         with self._lock:
             if epoch != self._epoch:

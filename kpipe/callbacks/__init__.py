@@ -1,9 +1,11 @@
-"""Keras callbacks: `InputProfiler` (input-wait share of each step) and `Warmup`
-(gradual learning-rate warmup for large minibatches)."""
+"""Keras callbacks: `InputProfiler` (input-wait share of each step), `Warmup` (gradual
+learning-rate warmup for large minibatches) and `BackupAndRestore` (crash-consistent,
+multi-worker-safe backups that resume every worker from the same epoch)."""
 
 import importlib
 
 _LAZY_ATTRS = {
+    "BackupAndRestore": "kpipe.callbacks._backup",
     "InputProfiler": "kpipe.callbacks._profiler",
     "Warmup": "kpipe.callbacks._warmup",
 }

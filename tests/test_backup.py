@@ -1,0 +1,243 @@
+"""`kpipe.callbacks.BackupAndRestore`: resume after a crash with the weights of an
+uninterrupted run, in one process (shuffled `ProcessLoader`) and in a real 2-worker job
+whose backups were torn one epoch apart; argument errors."""
+
+import doctest
+import io
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+
+import kpipe  # noqa: E402
+from kpipe.callbacks import _backup  # noqa: E402
+from kpipe.callbacks import BackupAndRestore  # noqa: E402
+from kpipe.distribute import launch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROGRAMS = os.path.join(ROOT, "tests", "programs")
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+       "TF_CPP_MIN_LOG_LEVEL": "2"}
+N_WORKERS = 2
+EPOCHS = 4
+BATCH = 8
+SEED = 3
+
+
+class Batches:
+    """64 samples in contiguous batches of 8; module level so that it pickles."""
+
+    def __init__(self):
+        rng = np.random.RandomState(0)
+        self.x = rng.rand(64, 4).astype("float32")
+        self.y = (self.x[:, :1] + self.x[:, 1:2]).astype("float32")
+
+    def __len__(self):
+        return len(self.x) // BATCH
+
+    def __getitem__(self, i):
+        return self.x[i * BATCH:(i + 1) * BATCH], self.y[i * BATCH:(i + 1) * BATCH]
+
+
+class Crash(keras.callbacks.Callback):
+    """Raises in the middle of epoch `epoch`, as a killed process would stop."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch, self._current = epoch, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._current == self.epoch and batch == 2:
+            raise RuntimeError("simulated crash")
+
+
+def _model():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
+    return model
+
+
+def _loader():
+    return kpipe.ProcessLoader(Batches(), workers=1, shuffle=True, seed=SEED)
+
+
+def _fit(model, loader, callbacks):
+    return model.fit(loader, epochs=EPOCHS, verbose=0, callbacks=callbacks)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    with _loader() as loader:
+        model = _model()
+        _fit(model, loader, [])
+        return model.get_weights(), loader.epoch
+
+
+@pytest.mark.timeout(120)
+def test_resume_after_crash_equals_uninterrupted_run(tmp_path, uninterrupted, no_leaks):
+    backup_dir = str(tmp_path / "backup")
+    with _loader() as loader:
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            _fit(_model(), loader, [BackupAndRestore(backup_dir, loaders=loader), Crash(epoch=2)])
+    assert sorted(_backup.complete_epochs(backup_dir)) == [1, 2]  # keep=2: epoch 0 pruned
+
+    epochs_run = []
+    with _loader() as loader:  # a new loader at epoch 0, as in a restarted process
+        callback = BackupAndRestore(backup_dir, loaders=loader)
+        model = _model()
+        history = _fit(model, loader, [callback, keras.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: epochs_run.append(epoch))])
+        assert loader.epoch == uninterrupted[1]  # EPOCHS + 1: see NOTE in _backup.py
+    assert callback.restored_epoch == 2 and epochs_run == [2, 3]
+    assert len(history.history["loss"]) == 2
+    assert int(model.optimizer.iterations.numpy()) == EPOCHS * len(Batches())
+    for got, want in zip(model.get_weights(), uninterrupted[0]):
+        assert np.array_equal(got, want)
+    assert not os.path.exists(backup_dir)  # deleted when fit() completed
+    assert model._initial_epoch is None  # the next fit() starts at its own initial_epoch
+
+
+@pytest.mark.timeout(120)
+def test_resume_without_loaders_replays_the_wrong_shuffle(tmp_path, uninterrupted):
+    # The control for `loaders=`: a fresh loader not told the epoch serves epoch 0's
+    # order in epoch 2, so the weights differ from the uninterrupted run.
+    backup_dir = str(tmp_path / "backup")
+    with _loader() as loader:
+        with pytest.raises(RuntimeError):
+            _fit(_model(), loader, [BackupAndRestore(backup_dir), Crash(epoch=2)])
+    with _loader() as loader:
+        # Given loaders, the backup must have recorded them: say so instead of guessing.
+        with pytest.raises(ValueError, match=r"given 1 loader\(s\) but the backup of epoch 2 .* "
+                                             r"recorded 0.*same `loaders`"):
+            _fit(_model(), loader, [BackupAndRestore(backup_dir, loaders=[loader])])
+        model = _model()
+        _fit(model, loader, [BackupAndRestore(backup_dir)])
+    assert not all(np.array_equal(a, b) for a, b in zip(model.get_weights(), uninterrupted[0]))
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _Stop(keras.callbacks.Callback):
+    """Raises after the backup of epoch `at_epoch` (listed after BackupAndRestore)."""
+
+    def __init__(self, at_epoch):
+        super().__init__()
+        self.at_epoch = at_epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.at_epoch:
+            raise _Stopped()
+
+
+@pytest.mark.timeout(60)
+def test_torn_and_abandoned_epochs_are_ignored_then_removed(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    x, y = Batches()[0]
+    with pytest.raises(_Stopped):
+        _model().fit(x, y, epochs=3, verbose=0,
+                     callbacks=[BackupAndRestore(backup_dir, keep=1), _Stop(at_epoch=1)])
+    assert os.listdir(backup_dir) == ["epoch-000002"]  # keep=1
+    assert sorted(_backup.complete_epochs(backup_dir)) == [2]
+    # Tear epoch 2 (state written, metadata lost) and leave a half-written epoch 3.
+    os.remove(os.path.join(backup_dir, "epoch-000002", "metadata.json"))
+    os.makedirs(os.path.join(backup_dir, "epoch-000003"))
+    assert _backup.complete_epochs(backup_dir) == {}
+    callback = BackupAndRestore(backup_dir, keep=1)
+    with pytest.raises(_Stopped):
+        _model().fit(x, y, epochs=3, verbose=0, callbacks=[callback, _Stop(at_epoch=0)])
+    assert callback.restored_epoch == 0
+    assert os.listdir(backup_dir) == ["epoch-000001"]  # the torn and partial ones removed
+
+
+@pytest.mark.parametrize("kwargs, fragments", [
+    ({"keep": 0}, ["`keep`", "Received: keep=0", "keep=1"]),
+    ({"keep": True}, ["`keep`", "Received: keep=True"]),
+    ({"save_freq": 100}, ["`save_freq`", "Received: save_freq=100", "save_freq='epoch'"]),
+    ({"save_freq": "batch"}, ["`save_freq`", "Received: save_freq='batch'"]),
+])
+def test_bad_arguments_name_the_argument_value_and_fix(tmp_path, kwargs, fragments):
+    with pytest.raises(ValueError) as info:
+        BackupAndRestore(str(tmp_path), **kwargs)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_bad_backup_dir_and_loaders_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match=r"`backup_dir`.*Received: backup_dir=''"):
+        BackupAndRestore("")
+    with pytest.raises(TypeError,
+                       match=r"`loaders`.*set_epoch.*Received: loaders\[1\]=\[1, 2\]"):
+        BackupAndRestore(str(tmp_path), loaders=[_FakeLoader(), [1, 2]])
+
+
+class _FakeLoader:
+    epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+
+@pytest.mark.timeout(60)
+def test_docstring_example_runs():
+    runner = doctest.DocTestRunner()
+    globs = {"BackupAndRestore": BackupAndRestore}
+    for test in doctest.DocTestFinder().find(BackupAndRestore, "BackupAndRestore", globs=globs):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0
+
+
+# ---------------------------------------------------------------- 2 workers on loopback
+def _launch(out_dir, *args, expect=0):
+    command = [sys.executable, os.path.join(PROGRAMS, "backup_train.py"), "--out", str(out_dir),
+               *args]
+    result = launch(command, workers=N_WORKERS, env=ENV, output=io.StringIO(), timeout_s=180)
+    if result.returncode != expect and "address already in use" in "".join(result.tails).lower():
+        # Another program took a port between free_ports() and the gRPC server's bind.
+        result = launch(command, workers=N_WORKERS, env=ENV, output=io.StringIO(), timeout_s=180)
+    assert result.returncode == expect, "\n".join(
+        [f"launch returned {result.returncode}, expected {expect}"] + list(result.tails))
+    return result
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_workers_with_torn_backups_agree_on_the_older_epoch(tmp_path):
+    backup = tmp_path / "backup"
+    common = ["--backup", str(backup), "--epochs", "3"]
+    result = _launch(tmp_path / "torn", *common, "--tear-at", "2",
+                     expect=128 + signal.SIGKILL)
+    assert result.failed_worker == 1 and result.returncodes[1] == -signal.SIGKILL
+    newest = [sorted(_backup.complete_epochs(str(backup / f"worker-{i}")))
+              for i in range(N_WORKERS)]
+    assert newest == [[1, 2], [1]]  # worker 1 died before committing epoch 2
+    assert (backup / "worker-1" / "epoch-000002" / "state.weights.h5").is_file()
+
+    _launch(tmp_path / "resumed", *common, "--reference")
+    records = [json.loads((tmp_path / "resumed" / f"worker{i}.json").read_text())
+               for i in range(N_WORKERS)]
+    arrays = []
+    for i in range(N_WORKERS):
+        with np.load(tmp_path / "resumed" / f"worker{i}.npz") as f:
+            arrays.append({k: f[k] for k in f.files})
+    for record in records:
+        assert record["restored_epoch"] == 1 and record["epochs_run"] == [1, 2]
+        assert record["iterations"] == 3 * 4  # 3 epochs of 4 global batches
+        assert not record["worker_dir_left"]
+    assert not backup.exists()
+    for i in range(4):
+        assert np.array_equal(arrays[0][f"w{i}"], arrays[1][f"w{i}"])
+        np.testing.assert_allclose(arrays[0][f"w{i}"], arrays[0][f"reference/w{i}"],
+                                   rtol=1e-5, atol=1e-6)
