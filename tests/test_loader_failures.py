@@ -246,14 +246,19 @@ def test_main_module_class_under_spawn_and_interpreter_exit(tmp_path):
     assert _gone(pids)
 
 
-def test_ctrl_c_stops_everything(tmp_path):
+def _start_looping(tmp_path):
+    """Starts the script in its endless loading loop; returns (process, worker pids)."""
     proc = _run_script(tmp_path, "sigint")
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("LOOPING"):
             break
-    pids = [int(p) for p in "".join(lines).split("PIDS")[1].split("\n")[0].split()]
+    return proc, [int(p) for p in "".join(lines).split("PIDS")[1].split("\n")[0].split()]
+
+
+def test_ctrl_c_stops_everything(tmp_path):
+    proc, pids = _start_looping(tmp_path)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
     assert proc.returncode != 0  # KeyboardInterrupt
@@ -261,13 +266,7 @@ def test_ctrl_c_stops_everything(tmp_path):
 
 
 def test_main_process_killed_leaves_no_worker(tmp_path):
-    proc = _run_script(tmp_path, "sigint")
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("LOOPING"):
-            break
-    pids = [int(p) for p in "".join(lines).split("PIDS")[1].split("\n")[0].split()]
+    proc, pids = _start_looping(tmp_path)
     proc.kill()
     proc.communicate(timeout=60)
     assert _gone(pids, within_s=15.0)
