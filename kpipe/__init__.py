@@ -6,6 +6,7 @@ Public API (everything else lives in private `_` modules):
   processes that hand batches over through shared memory.
 * `kpipe.fit_generator` -- the Keras 2 `fit_generator` signature on top of it.
 * `kpipe.worker_info` / `kpipe.WorkerInfo` -- inside a worker: its id and seed.
+* `kpipe.empty` -- a batch array allocated directly in the worker's shared memory.
 * `kpipe.data` -- tf.data sources and pipelines.
 * `kpipe.distribute` -- strategies, sharding, the large-minibatch recipe, launcher.
 * `kpipe.callbacks` -- `InputProfiler`, `Warmup`.
@@ -16,6 +17,7 @@ them is first used, so loader worker processes never import TensorFlow on kpipe'
 
 import importlib
 
+from kpipe._engine._alloc import empty
 from kpipe._engine.worker_info import WorkerInfo, worker_info
 from kpipe.errors import (
     BatchStructureError,
@@ -45,6 +47,7 @@ __all__ = [
     "callbacks",
     "data",
     "distribute",
+    "empty",
     "fit_generator",
     "worker_info",
 ]

@@ -222,3 +222,20 @@ class BreaksInWorkers:
 
     def __setstate__(self, state):
         raise RuntimeError("cannot restore BreaksInWorkers here")
+
+
+class InSlot:
+    """Builds its batch with kpipe.empty: whole, sliced and strided views, plus a copy."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        import kpipe
+
+        big = kpipe.empty((3, 1000), dtype="int32")
+        big[...] = i
+        big[1] += 1
+        tail = kpipe.empty(5, dtype="float64")
+        tail[:] = np.arange(5) * i
+        return big, big[1], big[:, ::7], tail, np.full(3, i, "uint8")

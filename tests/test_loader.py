@@ -223,3 +223,32 @@ def test_set_epoch_replays_the_plan_of_that_epoch(no_leaks):
             a.on_epoch_end()
         b.set_epoch(3)
         assert [int(a[i][0][0, 0]) for i in range(10)] == [int(b[i][0][0, 0]) for i in range(10)]
+
+
+@pytest.mark.parametrize("kw", MODES)
+def test_arrays_from_kpipe_empty_are_handed_over_intact(kw, no_leaks):
+    from _datasets import InSlot
+
+    ds = InSlot()
+    with kpipe.ProcessLoader(ds, **kw) as loader:
+        for i in range(len(ds)):
+            assert equal_batches(loader[i], ds[i])
+
+
+def test_slot_allocator_finds_arrays_in_the_slot_only():
+    from kpipe._engine import _alloc
+    from kpipe._engine._shm import Segment
+
+    seg = Segment.create(0)
+    alloc = _alloc.begin(seg)
+    try:
+        a = kpipe.empty((10, 10), "float32")
+        b = kpipe.empty(1 << 20, "uint8")  # grows (and remaps) the slot
+        assert alloc.offset_of(a) == 0 and alloc.offset_of(b) == 448  # 400 bytes, 64-aligned
+        assert alloc.offset_of(a[3]) == 3 * 40
+        assert alloc.offset_of(a[:, ::2]) is None  # not contiguous: copied instead
+        assert alloc.offset_of(np.zeros(3)) is None
+    finally:
+        _alloc.end()
+        seg.close()
+    assert type(kpipe.empty(3)) is np.ndarray and kpipe.empty(3).dtype == np.float32

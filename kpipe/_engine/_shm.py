@@ -79,9 +79,14 @@ class Segment:
         self._mm = mmap.mmap(self.fd, size)
         self._mapped = size
 
+    @property
+    def mapping(self):
+        """The current `mmap` of the whole segment (after `reserve`)."""
+        return self._mm
+
     def write(self, leaves, layout):
         """Copies `leaves` into the segment at the offsets of `layout` (from `plan_layout`)."""
-        self.reserve(layout[-1][0] + layout[-1][1] if layout else 0)
+        self.reserve(max((o + n for o, n, _, _ in layout), default=0))
         for arr, (offset, nbytes, dtype, shape) in zip(leaves, layout):
             if nbytes:
                 dst = np.ndarray(shape, dtype=dtype, buffer=self._mm, offset=offset)
@@ -112,13 +117,19 @@ class Segment:
             self.fd = None
 
 
-def plan_layout(leaves):
-    """`[(offset, nbytes, dtype_str, shape)]` for `leaves`, each aligned to 64 bytes."""
-    layout, offset = [], 0
-    for arr in leaves:
+def plan_layout(leaves, placed=None, start=0):
+    """`[(offset, nbytes, dtype_str, shape)]` for `leaves`, each aligned to 64 bytes.
+
+    `placed[i]`, when not None, is the offset where leaf i already lies in the segment
+    (see `kpipe.empty`); the other leaves are laid out from `start` on.
+    """
+    layout, offset = [], align(start)
+    for i, arr in enumerate(leaves):
         nbytes = int(arr.nbytes)
-        layout.append((offset, nbytes, arr.dtype.str, tuple(arr.shape)))
-        offset = align(offset + nbytes)
+        at = placed[i] if placed is not None else None
+        if at is None:
+            at, offset = offset, align(offset + nbytes)
+        layout.append((at, nbytes, arr.dtype.str, tuple(arr.shape)))
     return layout
 
 

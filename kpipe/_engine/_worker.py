@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from kpipe._engine import _pickling, _tree
+from kpipe._engine import _alloc, _pickling, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._shm import Segment, plan_layout
 
@@ -99,14 +99,21 @@ class _Worker:
 
     def run_task(self, seq, key, out_slot, inputs):
         t0 = time.perf_counter()
-        if self.mode == "dataset":
-            out = self.target[key]
-        else:
-            in_slot, in_treedef, in_layout = inputs
-            out = self.target(_tree.unflatten(in_treedef, self.slots[in_slot].views(in_layout, writable=True)))
+        segment = self.slots[out_slot]
+        alloc = _alloc.begin(segment)  # kpipe.empty() now allocates in this slot
+        try:
+            if self.mode == "dataset":
+                out = self.target[key]
+            else:
+                in_slot, in_treedef, in_layout = inputs
+                out = self.target(_tree.unflatten(in_treedef, self.slots[in_slot].views(in_layout, writable=True)))
+        finally:
+            _alloc.end()
         treedef, leaves, _ = _tree.flatten(out)
-        layout = plan_layout(leaves)
-        self.slots[out_slot].write(leaves, layout)
+        placed = [alloc.offset_of(a) for a in leaves]
+        layout = plan_layout(leaves, placed, start=alloc.used)
+        copies = [(a, lay) for a, lay, at in zip(leaves, layout, placed) if at is None]
+        segment.write([a for a, _ in copies], [lay for _, lay in copies])
         return treedef, layout, time.perf_counter() - t0
 
     def serve(self):
