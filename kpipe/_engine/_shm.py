@@ -23,6 +23,7 @@ import numpy as np
 
 _ALIGN = 64  # bytes; cache-line alignment for every array in a slot
 _PAGE = mmap.PAGESIZE
+_HUGE_MIN_BYTES = 4 << 20
 
 
 def align(n, to=_ALIGN):
@@ -78,6 +79,13 @@ class Segment:
         # when those arrays die (mmap objects close themselves when unreferenced).
         self._mm = mmap.mmap(self.fd, size)
         self._mapped = size
+        if size >= _HUGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+            # Big batches on 4 KiB pages pay for TLB misses; where the kernel allows huge
+            # pages for shared memory (transparent_hugepage/shmem_enabled = advise), ask.
+            try:
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
 
     @property
     def mapping(self):
