@@ -31,6 +31,9 @@ import statistics
 import sys
 import time
 
+# Run from a checkout without installing: the repository root goes first on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
