@@ -151,3 +151,28 @@ def demo_dataset(samples=8192, batch_size=64):
         A `DemoImages`.
     """
     return DemoImages(ensure_dataset(samples)[0], batch_size=batch_size)
+
+
+def keras_view(dataset, **pydataset_kwargs):
+    """The demo dataset as the plain `keras.utils.PyDataset` a training script would use.
+
+    `pydataset_kwargs` (`workers`, `use_multiprocessing`, `max_queue_size`) go to Keras's
+    own loader. Imports Keras, so call it in the training process only.
+    """
+    import keras
+
+    class Images(keras.utils.PyDataset):
+        def __init__(self, inner):
+            super().__init__(**pydataset_kwargs)
+            self.inner = inner
+
+        def __len__(self):
+            return len(self.inner)
+
+        def __getitem__(self, i):
+            return self.inner[i]
+
+        def on_epoch_end(self):
+            self.inner.on_epoch_end()
+
+    return Images(dataset)

@@ -87,6 +87,7 @@ def run_arm(args):
     import tensorflow as tf
 
     import kpipe
+    from kpipe import _demo
 
     keras.mixed_precision.set_global_policy("mixed_float16" if tf.config.list_physical_devices("GPU") else "float32")
     dataset = Images(args.steps, args.batch, args.size)
@@ -105,21 +106,8 @@ def run_arm(args):
     clock = Clock()
     if args.arm == "keras":
 
-        class KerasImages(keras.utils.PyDataset):
-            def __init__(self, inner):
-                super().__init__(workers=args.workers, use_multiprocessing=True, max_queue_size=2 * args.workers)
-                self.inner = inner
-
-            def __len__(self):
-                return len(self.inner)
-
-            def __getitem__(self, i):
-                return self.inner[i]
-
-            def on_epoch_end(self):
-                self.inner.on_epoch_end()
-
-        model.fit(KerasImages(dataset), epochs=2, verbose=0, callbacks=[profiler, clock])
+        keras_images = _demo.keras_view(dataset, workers=args.workers, use_multiprocessing=True, max_queue_size=2 * args.workers)
+        model.fit(keras_images, epochs=2, verbose=0, callbacks=[profiler, clock])
     else:
         with kpipe.ProcessLoader(dataset, workers=args.workers, max_queue_size=2 * args.workers) as loader:
             model.fit(loader, epochs=2, verbose=0, callbacks=[profiler, clock])

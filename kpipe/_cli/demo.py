@@ -76,7 +76,7 @@ def run(args) -> int:
 
     runs = {}
     print("\n[1/2] serial: keras.utils.PyDataset, loading in the training process")
-    runs["serial"] = _train(keras, kpipe, strategy, _keras_view(keras, dataset), args.epochs, weights)
+    runs["serial"] = _train(keras, kpipe, strategy, _demo.keras_view(dataset), args.epochs, weights)
     print(f"\n[2/2] kpipe: ProcessLoader(dataset, workers={workers})")
     with kpipe.ProcessLoader(dataset, workers=workers, shuffle=True, seed=0) as loader:
         runs["kpipe"] = _train(keras, kpipe, strategy, loader, args.epochs, weights)
@@ -95,26 +95,6 @@ def _make_strategy(devices):
     import kpipe.distribute
 
     return kpipe.distribute.auto_strategy(devices=names)
-
-
-def _keras_view(keras, dataset):
-    """The demo dataset as the plain `keras.utils.PyDataset` a training script would use."""
-
-    class Images(keras.utils.PyDataset):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def __len__(self):
-            return len(self.inner)
-
-        def __getitem__(self, i):
-            return self.inner[i]
-
-        def on_epoch_end(self):
-            self.inner.on_epoch_end()
-
-    return Images(dataset)
 
 
 def build_model(keras, classes):
