@@ -4,7 +4,10 @@ multiprocessing), tf.data + tf.numpy_function, kpipe.ProcessLoader, and the ceil
 
 Workloads (issue #2):
   a  64x64x3 uint8 images with NumPy augmentation (crop, flip, jitter), batch 64
-  b  224x224x3 uint8 read from an HDF5 file (~300 MB, generated), batch 128
+  b  224x224x3 uint8 read from an HDF5 file (~300 MB, generated), batch 128, as
+     contiguous slices (one read_direct per batch: a pure memory-bandwidth workload)
+  b2 the same file read as a shuffled training loader does: one read per sample in a
+     new random order each epoch, each sample normalised to float32 (600 KB arrays)
   c  5 ms of waiting (I/O) per sample, batch 32
 
 The ceiling is the same per-batch work done by `--workers` bare processes that return
@@ -91,6 +94,32 @@ class H5Images(keras.utils.PyDataset):
         x = kpipe.empty((self.batch, 224, 224, 3), np.uint8)  # numpy.empty outside kpipe workers
         self._h5["x"].read_direct(x, np.s_[s])
         return x, self._h5["y"][s]
+
+
+class H5Shuffled(H5Images):
+    """(b2) The same file read as a shuffled training loader does: samples in a new random
+    order each epoch, one h5py read each, each normalised to float32 (600 KB per sample)."""
+
+    def __init__(self, path, batch=128, **kw):
+        super().__init__(path, batch, **kw)
+        self.epoch = 0
+
+    def __getitem__(self, i):
+        import h5py
+
+        if self._h5 is None:
+            self._h5 = h5py.File(self.path, "r")
+        order = np.random.default_rng(self.epoch).permutation(self.n * self.batch)
+        idx = order[i * self.batch : (i + 1) * self.batch]
+        x = kpipe.empty((self.batch, 224, 224, 3), np.float32)  # numpy.empty outside kpipe workers
+        xs, ys = self._h5["x"], self._h5["y"]
+        for k, j in enumerate(idx):
+            sample = xs[j].astype(np.float32)
+            x[k] = (sample - sample.mean()) / (sample.std() + 1e-6)
+        return x, ys[np.sort(idx)]
+
+    def on_epoch_end(self):
+        self.epoch += 1
 
 
 class Waits(keras.utils.PyDataset):
@@ -343,6 +372,10 @@ def check_targets(rows, growth, io_workers):
     if b_k and b_mp and b_s:
         checks.append(("(b) kpipe >= 3x keras-mp", b_k["samples_per_s"] / b_mp["samples_per_s"], 3.0))
         checks.append(("(b) kpipe >= 1.5x serial", b_k["x_serial"], 1.5))
+    b2_k, b2_mp = get("b2", "kpipe"), get("b2", "keras-mp")
+    if b2_k and b2_mp:
+        checks.append(("(b2) kpipe >= 3x keras-mp", b2_k["samples_per_s"] / b2_mp["samples_per_s"], 3.0))
+        checks.append(("(b2) kpipe >= 1.5x serial", b2_k["x_serial"], 1.5))
     a_k, a_mp = get("a", "kpipe"), get("a", "keras-mp")
     if a_k and a_mp:
         checks.append(("(a) kpipe >= 0.85x ceiling", a_k["x_ceiling"], 0.85))
@@ -367,10 +400,10 @@ def check_targets(rows, growth, io_workers):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="a,b,c", help="comma-separated subset of a,b,c. Default: a,b,c")
+    parser.add_argument("--workloads", default="a,b,b2,c", help="comma-separated subset of a,b,b2,c. Default: a,b,b2,c")
     parser.add_argument("--workers", type=int, default=2, help="workers for every parallel loader. Default: 2")
     parser.add_argument("--io-workers", type=int, default=16, help="workers for workload c (plus a run at --workers). Default: 16")
-    parser.add_argument("--epochs", default="a=10,b=30,c=2", help="epochs timed per loader, per workload (a single number for all). Default: a=10,b=30,c=2")
+    parser.add_argument("--epochs", default="a=10,b=30,b2=4,c=2", help="epochs timed per loader, per workload (a single number for all). Default: a=10,b=30,b2=4,c=2")
     parser.add_argument("--max-queue-size", type=int, default=10, help="batches in flight. Default: 10")
     parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")
     parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")
@@ -378,14 +411,16 @@ def main(argv=None):
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
 
+    if args.rss_epochs and args.rss_epochs < 3:
+        parser.error(f"--rss-epochs must be 0 (skip) or >= 3 (growth is measured after epoch 2). Received: {args.rss_epochs}")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if "=" in args.epochs:
         epochs = {k: int(v) for k, v in (item.split("=") for item in args.epochs.split(","))}
     else:
-        epochs = dict.fromkeys("abc", int(args.epochs))
-    bad = [w for w in workloads if w not in ("a", "b", "c")]
+        epochs = dict.fromkeys(("a", "b", "b2", "c"), int(args.epochs))
+    bad = [w for w in workloads if w not in ("a", "b", "b2", "c")]
     if bad:
-        parser.error(f"--workloads takes a, b, c. Received: {','.join(bad)}")
+        parser.error(f"--workloads takes a, b, b2, c. Received: {','.join(bad)}")
     loaders = ["serial", "keras-threads", "keras-mp", "tf.data", "kpipe"]
     scale = 0.125 if args.quick else 1.0
     rows, growth = [], None
@@ -395,11 +430,15 @@ def main(argv=None):
             make = lambda **kw: Augment(num_images=int(2048 * scale), **kw)  # noqa: E731
             rows += measure("a", make, loaders, epochs["a"], args.workers, args.max_queue_size)
             if args.rss_epochs:
-                growth = rss_growth(make, args.rss_epochs if not args.quick else 4, args.workers)
-        if "b" in workloads:
+                growth = rss_growth(make, min(args.rss_epochs, 4) if args.quick else args.rss_epochs, args.workers)
+        if "b" in workloads or "b2" in workloads:
             path = make_h5(os.path.join(tmpdir, "images.h5"), args.h5_mb * scale)
+        if "b" in workloads:
             make = lambda **kw: H5Images(path, **kw)  # noqa: E731
             rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size)
+        if "b2" in workloads:
+            make = lambda **kw: H5Shuffled(path, **kw)  # noqa: E731
+            rows += measure("b2", make, loaders, epochs["b2"], args.workers, args.max_queue_size)
         if "c" in workloads:
             n = max(8, int(48 * scale))
             make = lambda **kw: Waits(n=n, **kw)  # noqa: E731

@@ -1,0 +1,28 @@
+"""Smoke test of scripts/bench_loaders.py: every loader runs and the JSON has every row."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bench_loaders_quick_run_reports_every_loader(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_loaders.py"), "--quick", "--workloads", "a",
+         "--epochs", "1", "--rss-epochs", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    loaders = [r["loader"] for r in rows]
+    assert loaders == ["serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "ceiling"]
+    assert all(r["samples_per_s"] > 0 for r in rows)
+    assert "Targets:" in proc.stdout and "kpipe RSS over 3 epochs" in proc.stdout
