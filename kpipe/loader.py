@@ -9,6 +9,7 @@ import time
 import keras
 import numpy as np
 
+from kpipe import _keras_hook
 from kpipe._engine import _tree
 from kpipe._engine._planner import EpochPlanner
 from kpipe._engine._pool import InlineBackend, ProcessBackend, ThreadBackend
@@ -97,6 +98,8 @@ class ProcessLoader(keras.utils.PyDataset):
     >>> x.shape, float(y[0])
     ((4, 2), 3.0)
     """
+
+    _kpipe_orders_batches = True  # see kpipe/_keras_hook.py: Keras must not reorder us
 
     def __init__(
         self,
@@ -505,31 +508,4 @@ def _overrides(obj, method):
     return impl not in (getattr(keras.utils.PyDataset, method, None), getattr(_ShimPyDataset, method, None))
 
 
-def _install_keras_hook():
-    """Makes Keras leave a ProcessLoader's batch order alone.
-
-    `fit(shuffle=True)` (the default) makes Keras's PyDataset adapter request batches in a
-    random order of its own, which would defeat in-order prefetching. The loader already
-    shuffles (seeded) when asked to, so for a ProcessLoader the adapter is built with
-    `shuffle=False`. Other datasets are untouched.
-    """
-    try:
-        from keras.src.trainers import data_adapters
-    except ImportError:  # a Keras without this module layout: random access still works
-        return
-    base = data_adapters.PyDatasetAdapter
-    if getattr(base, "_kpipe_hooked", False):
-        return
-
-    class PyDatasetAdapter(base):
-        _kpipe_hooked = True
-
-        def __init__(self, x, class_weight=None, shuffle=False):
-            if isinstance(x, ProcessLoader):
-                shuffle = False
-            super().__init__(x, class_weight=class_weight, shuffle=shuffle)
-
-    data_adapters.PyDatasetAdapter = PyDatasetAdapter
-
-
-_install_keras_hook()
+_keras_hook.install()

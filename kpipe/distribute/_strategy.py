@@ -28,13 +28,15 @@ with "You must feed a value for placeholder tensor ..." under multi-worker train
 """
 
 import logging
-import sys
 from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from kpipe import _keras_hook
 from kpipe.distribute import _sharding
 from kpipe.distribute._cluster import cluster_info
+
+_keras_hook.install()
 
 logger = logging.getLogger("kpipe.distribute")
 
@@ -43,8 +45,6 @@ _COMMUNICATION = {
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
-# How many frames up `experimental_distribute_dataset` looks for Keras's epoch iterator.
-_CALLER_FRAMES = 4
 
 
 class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -94,7 +94,8 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
     def experimental_distribute_dataset(self, dataset, options=None):
         if self._kpipe_num_workers > 1 and isinstance(dataset, tf.data.Dataset):
-            if _sharding.dataset_is_marked_presharded(dataset) or _keras_input_is_presharded():
+            # A sharded PyDataset arrives marked too: see kpipe/_keras_hook.py.
+            if _sharding.dataset_is_marked_presharded(dataset):
                 return self._distribute_presharded(dataset, options)
             _check_shuffles(dataset, self._kpipe_num_workers)
         return super().experimental_distribute_dataset(dataset, options)
@@ -137,21 +138,6 @@ def _check_steps_per_execution(fn, num_workers: int) -> None:
             f"workers). Received: steps_per_execution={steps}. TensorFlow's multi-worker "
             "input iterator cannot run inside the loop Keras builds for it. Compile with "
             "steps_per_execution=1 (the default).")
-
-
-def _keras_input_is_presharded() -> bool:
-    # Keras's `TFEpochIterator.__init__` calls `experimental_distribute_dataset` on the
-    # dataset its `PyDatasetAdapter` built from the user's PyDataset. That dataset carries
-    # no trace of its source, so look at the caller's `data_adapter.py_dataset`.
-    frame = sys._getframe(2)  # noqa: SLF001 -- 0: here, 1: experimental_distribute_dataset
-    for _ in range(_CALLER_FRAMES):
-        if frame is None:
-            return False
-        adapter = getattr(frame.f_locals.get("self"), "data_adapter", None)
-        if adapter is not None:
-            return _sharding.is_presharded(getattr(adapter, "py_dataset", None))
-        frame = frame.f_back
-    return False
 
 
 def _check_shuffles(dataset, num_workers: int) -> None:
