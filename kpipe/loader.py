@@ -1,6 +1,7 @@
 """`kpipe.ProcessLoader`: any PyDataset / Sequence, loaded by worker processes."""
 
 import collections
+import math
 import operator
 import os
 import threading
@@ -424,7 +425,7 @@ class ProcessLoader(keras.utils.PyDataset):
         st["batches"] += 1
         if meta and len(meta[0][1]):
             st["samples"] += int(meta[0][1][0])
-        nbytes = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for d, s in meta)
+        nbytes = sum(math.prod(s) * np.dtype(d).itemsize for d, s in meta)
         st["bytes"] += nbytes
         st["last_batch_bytes"] = nbytes
         if st["first_batch_s"] is None:
