@@ -168,3 +168,18 @@ def test_readme_quickstart_is_the_two_commands_ci_and_these_tests_run():
     assert 'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest' in readme
     with open(os.path.join(REPO, "setup.cfg")) as f:
         assert "kpipe = kpipe.cli:main" in f.read()  # the console script the first command calls
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_installed_console_script_runs_the_demo(tmp_path):
+    """The README's first command ends in `.venv/bin/kpipe demo`: run that entry point."""
+    script = os.path.join(os.path.dirname(sys.executable), "kpipe")
+    if not os.path.exists(script):
+        pytest.skip("kpipe is not installed in this interpreter's environment (pip install -e .)")
+    proc = subprocess.run(
+        [script, "demo", "--samples", "256", "--epochs", "1", "--workers", "2"],
+        cwd=tmp_path, env=_env(XDG_CACHE_HOME=str(tmp_path)), capture_output=True, text=True, timeout=230,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ProcessLoader(workers=2)" in proc.stdout and "input wait share" in proc.stdout
