@@ -191,14 +191,14 @@ class ProcessLoader(keras.utils.PyDataset):
             _, seq = self._queue.popleft()
             t0 = time.perf_counter()
             try:
-                batch, meta = backend.get(seq)
+                batch, treedef, meta = backend.get(seq)
             except Exception:
                 self._after_failure()
                 raise
             finally:
                 self._stats["wait_s"] += time.perf_counter() - t0
             try:
-                self._checker.check(self._planner.index(self._epoch, index), *_structure(batch, meta))
+                self._checker.check(self._planner.index(self._epoch, index), treedef, meta)
                 self._account(meta)
             finally:
                 self._fill()
@@ -434,11 +434,6 @@ class ProcessLoader(keras.utils.PyDataset):
 
 def _default_start_method():
     return "forkserver" if hasattr(os, "fork") and hasattr(os, "memfd_create") else "spawn"
-
-
-def _structure(batch, meta):
-    treedef, _, _ = _tree.flatten(batch)
-    return treedef, [(d, tuple(s)) for d, s in meta]
 
 
 def _check_int(name, value, minimum, fix):

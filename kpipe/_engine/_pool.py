@@ -1,7 +1,7 @@
 """Main-process side of the engine: backends that run `target[key]` (or `target(inputs)`).
 
 Three backends share one small interface -- `submit(key, inputs=None) -> seq`,
-`get(seq) -> (tree, meta)`, `discard(seq)`, `reset_target(target)`, `close()`:
+`get(seq) -> (tree, treedef, meta)`, `discard(seq)`, `reset_target(target)`, `close()`:
 
 * `ProcessBackend`: persistent worker processes, batches in shared-memory slots.
 * `ThreadBackend`: a thread pool, for I/O-bound work that releases the GIL.
@@ -462,7 +462,7 @@ class ProcessBackend:
                     p.drops.append(slot)
 
     def get(self, seq):
-        """Waits for task `seq`; returns `(tree, meta)` with meta = [(dtype_str, shape)]."""
+        """Waits for task `seq`; returns `(tree, treedef, meta)`, meta = [(dtype_str, shape)]."""
         self._check_open()
         deadline = time.monotonic() + self.timeout
         while seq not in self._results:
@@ -489,7 +489,7 @@ class ProcessBackend:
         _, treedef, layout, _busy = result
         seg = self._slots.segments[task.slot]
         leaves = seg.views(layout, lease=self._slots.lease(task.slot), writable=True)
-        return _tree.unflatten(treedef, leaves), [(d, s) for _, _, d, s in layout]
+        return _tree.unflatten(treedef, leaves), treedef, [(d, s) for _, _, d, s in layout]
 
     def discard(self, seq):
         """Forgets task `seq`: its result is dropped (and its slot freed) when it arrives."""
@@ -656,9 +656,7 @@ class ThreadBackend:
     pids = property(lambda self: [])
 
     def _run(self, key, inputs):
-        out = self._target[key] if self._mode == "dataset" else self._target(inputs)
-        treedef, leaves, _ = _tree.flatten(out)
-        return _tree.unflatten(treedef, leaves), [(a.dtype.str, a.shape) for a in leaves]
+        return _in_process_result(self._target[key] if self._mode == "dataset" else self._target(inputs))
 
     def submit(self, key, inputs=None):
         if self.closed:
@@ -724,8 +722,7 @@ class InlineBackend:
             _add_note(exc, f"[kpipe] raised while loading batch {key} of `{self.name}`.")
             exc.kpipe_batch_index = key
             raise
-        treedef, leaves, _ = _tree.flatten(out)
-        return _tree.unflatten(treedef, leaves), [(a.dtype.str, a.shape) for a in leaves]
+        return _in_process_result(out)
 
     def discard(self, seq):
         self._todo.pop(seq, None)
@@ -736,6 +733,13 @@ class InlineBackend:
 
     def close(self, force=False):
         self.closed = True
+
+
+def _in_process_result(out):
+    """`(tree, treedef, meta)` for a batch made in this process (threads, inline): the same
+    validation and leaf conversion as a worker's, without shared memory."""
+    treedef, leaves, _ = _tree.flatten(out)
+    return _tree.unflatten(treedef, leaves), treedef, [(a.dtype.str, a.shape) for a in leaves]
 
 
 def _add_note(exc, note):

@@ -74,7 +74,7 @@ class ProcessMapper:
                     queue.append(self._backend.submit(None, inputs=item))
                 if not queue:
                     return
-                out, _ = self._backend.get(queue.popleft())
+                out, _, _ = self._backend.get(queue.popleft())
                 yield out
         finally:
             if not self._backend.closed:
