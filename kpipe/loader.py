@@ -45,8 +45,11 @@ class ProcessLoader(keras.utils.PyDataset):
             of 1 MiB or more are shared, not copied, and read-only in workers.
         workers: Worker processes (or threads with `use_threads=True`). 0 loads
             batches in the calling thread. Defaults to 2.
-        max_queue_size: Batches loaded ahead of the consumer; bounds memory to about
-            `max_queue_size` batches. Defaults to `max(4, 2 * workers)`.
+        max_queue_size: Most batches loaded ahead of the consumer; bounds memory to
+            about `max_queue_size` batches. The loader starts with two per worker
+            (enough to keep every worker busy when batches take similar times) and
+            goes deeper, up to this bound, only when a worker sat idle while the
+            consumer waited for a slower batch. Defaults to `max(4, 2 * workers)`.
         max_queue_bytes: Also bound the bytes loaded ahead: fewer batches are queued
             when the last batch times the queue length would exceed it (at least one
             batch per worker stays in flight). Defaults to None (batches only).
@@ -160,6 +163,10 @@ class ProcessLoader(keras.utils.PyDataset):
         self._backend = None
         self._closed = False
         self._checker = _tree.StructureChecker(self._name)
+        # Batches kept in flight: two per worker, grown (up to max_queue_size) when a
+        # worker idles behind a slow batch. Fewer slots in flight means less shared
+        # memory, and fewer slots to create (and page in) before the first epoch flows.
+        self._window = max_queue_size if workers == 0 else min(max_queue_size, 2 * workers)
         self._stats = {"batches": 0, "samples": 0, "bytes": 0, "last_batch_bytes": 0, "wait_s": 0.0, "first_batch_s": None, "restarts": 0}
         self._t_created = time.perf_counter()
         self._start_backend()
@@ -188,10 +195,12 @@ class ProcessLoader(keras.utils.PyDataset):
         with self._lock:
             backend = self._ensure_backend()
             self._seek(index)
+            window_full = len(self._queue) >= self._limit() and self._more_to_dispatch()
             _, seq = self._queue.popleft()
             t0 = time.perf_counter()
             try:
-                batch, treedef, meta = backend.get(seq)
+                deepen = self._deepen if window_full and self._window < self.max_queue_size else None
+                batch, treedef, meta = backend.get(seq, on_starved=deepen)
             except Exception:
                 self._after_failure()
                 raise
@@ -219,7 +228,10 @@ class ProcessLoader(keras.utils.PyDataset):
             if hasattr(self.dataset, "on_epoch_end"):
                 self.dataset.on_epoch_end()
             self._epoch += 1
-            self._restart_epoch(resync=self._stateful)
+            if self._stateful or self._backend is None:
+                self._restart_epoch(resync=self._stateful)
+            else:
+                self._carry_into_next_epoch()
 
     # ------------------------------------------------------------------ extras
     @property
@@ -255,9 +267,11 @@ class ProcessLoader(keras.utils.PyDataset):
     def stats(self):
         """Counters since construction: `batches`, `samples`, `bytes`, `wait_s` (time the
         consumer blocked waiting for workers), `first_batch_s` (construction to first
-        batch), `restarts`, `workers`, `pids`."""
+        batch), `restarts`, `workers`, `pids`, and `queue_depth` (batches the loader
+        now keeps in flight, at most `max_queue_size`)."""
         with self._lock:
             out = dict(self._stats)
+            out["queue_depth"] = self._limit()
             out["workers"] = self.num_workers
             out["pids"] = list(self._backend.pids) if self._backend is not None else []
             return out
@@ -367,18 +381,54 @@ class ProcessLoader(keras.utils.PyDataset):
     def _queue_head(self):
         return self._queue[0][0] if self._queue else self._next_dispatch
 
+    def _deepen(self):
+        """A worker ran out of work while the consumer waits for a slower batch: batch
+        times vary, and one more batch in flight per worker keeps every worker busy."""
+        self._window = min(self.max_queue_size, self._window + self.num_workers)
+        self._fill()
+
+    def _limit(self):
+        """Batches to keep in flight now: the window, within max_queue_bytes if set."""
+        limit = self._window
+        last = self._stats["last_batch_bytes"]
+        if self.max_queue_bytes is not None:  # until a batch size is known: one per worker
+            limit = max(1, self.num_workers, min(limit, self.max_queue_bytes // last if last else 0))
+        return limit
+
+    def _more_to_dispatch(self):
+        n = self._planner.length
+        # A dataset without on_epoch_end/on_epoch_begin loads the same way every epoch, and
+        # the next epoch's plan is known: keep loading into it, so that workers do not
+        # idle while the last batches of an epoch drain (up to one epoch ahead).
+        return n is None or self._next_dispatch < (n if self._stateful else 2 * n)
+
+    def _key(self, position):
+        """The dataset index of `position` in the plan (positions >= n: the next epoch)."""
+        n = self._planner.length
+        if n is None or position < n:
+            return self._planner.index(self._epoch, position)
+        return self._planner.index(self._epoch + 1, position - n)
+
+    def _carry_into_next_epoch(self):
+        """Starts the next epoch with the batches already loaded for it."""
+        n = self._planner.length
+        kept = collections.deque()
+        for position, seq in self._queue:
+            if n is not None and position >= n:
+                kept.append((position - n, seq))
+            else:  # the rest of an epoch cut short (steps_per_epoch < len)
+                self._backend.discard(seq)
+        self._queue = kept
+        self._next_dispatch = max(0, self._next_dispatch - n) if n is not None else 0
+        self._fill()
+
     def _fill(self):
         backend = self._backend
         if backend is None or backend.closed:
             return
-        n = self._planner.length
-        limit = self.max_queue_size
-        last = self._stats["last_batch_bytes"]
-        if self.max_queue_bytes is not None:  # until a batch size is known: one per worker
-            limit = max(1, self.num_workers, min(limit, self.max_queue_bytes // last if last else 0))
-        while len(self._queue) < limit and (n is None or self._next_dispatch < n):
-            key = self._planner.index(self._epoch, self._next_dispatch)
-            self._queue.append((self._next_dispatch, backend.submit(key)))
+        limit = self._limit()
+        while len(self._queue) < limit and self._more_to_dispatch():
+            self._queue.append((self._next_dispatch, backend.submit(self._key(self._next_dispatch))))
             self._next_dispatch += 1
 
     def _discard_all(self):
@@ -399,7 +449,7 @@ class ProcessLoader(keras.utils.PyDataset):
         head = self._queue_head()
         if index < head and head - index <= self.max_queue_size:
             # e.g. Keras reads batches 0 and 1 for its tensor spec, then starts the epoch.
-            fresh = [(p, self._backend.submit(self._planner.index(self._epoch, p))) for p in range(index, head)]
+            fresh = [(p, self._backend.submit(self._key(p))) for p in range(index, head)]
             queue.extendleft(reversed(fresh))
             return
         self._discard_all()

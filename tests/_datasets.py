@@ -239,3 +239,18 @@ class InSlot:
         tail = kpipe.empty(5, dtype="float64")
         tail[:] = np.arange(5) * i
         return big, big[1], big[:, ::7], tail, np.full(3, i, "uint8")
+
+
+class Stalls:
+    """Batch i sleeps `stall_s` when i % every == 0; the others return at once."""
+
+    def __init__(self, n=16, every=4, stall_s=0.3):
+        self.n, self.every, self.stall_s = n, every, stall_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i % self.every == 0:
+            time.sleep(self.stall_s)
+        return np.full((2, 3), i, dtype="float32")

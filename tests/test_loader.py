@@ -60,6 +60,25 @@ def test_shuffle_is_a_seeded_permutation_independent_of_workers(kw, no_leaks):
         assert orders[0] != orders[1] != orders[2]
 
 
+@pytest.mark.parametrize("kw", [dict(workers=2), dict(workers=2, use_threads=True)], ids=["processes", "threads"])
+def test_the_next_epoch_loads_ahead_only_without_epoch_hooks(kw, no_leaks):
+    ds = Squares(n=6)
+    ref = kpipe.ProcessLoader(ds, workers=0, shuffle=True, seed=3)
+    with kpipe.ProcessLoader(ds, shuffle=True, seed=3, max_queue_size=4, **kw) as loader:
+        for epoch in range(4):
+            steps = 4 if epoch == 1 else 6  # epoch 1 is cut short, as steps_per_epoch < len does
+            got = [int(loader[i][0][0, 0]) for i in range(steps)]
+            assert got == [int(ref[i][0][0, 0]) for i in range(steps)]
+            if steps == 6:  # the next epoch's first batches are already loading
+                assert loader._queue and min(p for p, _ in loader._queue) >= 6
+            loader.on_epoch_end()
+            ref.on_epoch_end()
+    # on_epoch_end may change what the batches hold: nothing is loaded past the epoch.
+    with kpipe.ProcessLoader(Reshuffling(n=6), max_queue_size=4, **kw) as loader:
+        [loader[i] for i in range(6)]
+        assert not loader._queue
+
+
 def test_different_seeds_give_different_orders():
     a = kpipe.ProcessLoader(Squares(n=12), workers=0, shuffle=True, seed=1)
     b = kpipe.ProcessLoader(Squares(n=12), workers=0, shuffle=True, seed=2)
@@ -213,6 +232,63 @@ def test_max_queue_bytes_limits_batches_in_flight(no_leaks):
         assert all(equal_batches(loader[i], ds[i]) for i in range(1, 30))
     with pytest.raises(ValueError, match="`max_queue_bytes` must be >= 1"):
         kpipe.ProcessLoader(ds, workers=0, max_queue_bytes=0)
+
+
+@pytest.mark.parametrize("kw", [dict(workers=2), dict(workers=2, use_threads=True)], ids=["processes", "threads"])
+def test_queue_deepens_only_when_a_worker_idles_behind_a_slow_batch(kw, no_leaks):
+    from _datasets import Stalls
+
+    with kpipe.ProcessLoader(Squares(n=12), max_queue_size=9, **kw) as loader:
+        assert loader.stats()["queue_depth"] == len(loader._queue) == 4  # two per worker
+        assert all(equal_batches(loader[i], Squares(n=12)[i]) for i in range(12))
+    # Every 4th batch takes 0.3 s: the other worker finishes its two batches and idles
+    # while the consumer waits, so the loader allows more in flight -- up to the bound.
+    with kpipe.ProcessLoader(Stalls(n=16, every=4, stall_s=0.3), max_queue_size=9, **kw) as loader:
+        got = []
+        for i in range(16):
+            got.append(int(loader[i][0, 0]))
+            assert len(loader._queue) <= 9
+        assert got == list(range(16))
+        assert 4 < loader.stats()["queue_depth"] <= 9
+
+
+def test_slot_pool_prefers_the_slots_a_worker_already_maps():
+    from kpipe._engine._shm import SlotPool
+
+    pool = SlotPool(keep_idle=8)
+    try:
+        a, b, c = (pool.acquire()[0] for _ in range(3))
+        for slot in (a, b, c):
+            pool.release(slot)
+        assert pool.acquire(prefer={a})[0] == a  # not the most recently freed (c)
+        assert pool.acquire(prefer={42})[0] == c  # none preferred is free: the newest
+        assert pool.acquire()[0] == b
+        assert pool.acquire() == (3, True)  # none free: a new slot
+    finally:
+        pool.close()
+
+
+def test_writer_mappings_are_populated_up_front():
+    import mmap
+    import resource
+
+    from kpipe._engine import _shm
+
+    try:
+        mmap.mmap(-1, mmap.PAGESIZE).madvise(_shm._MADV_POPULATE_WRITE)
+    except (OSError, TypeError):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux >= 5.14)")
+    seg = _shm.Segment.create(0)
+    try:
+        seg.reserve(32 << 20)  # as a worker does before writing a batch
+        view = np.frombuffer(seg.mapping, dtype=np.uint8)[: 32 << 20]  # (the rest is headroom)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        view[:: mmap.PAGESIZE] = 1  # one write per page: 8192 pages
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults < 500, f"{faults} page faults writing a populated 32 MiB slot"
+    finally:
+        del view
+        seg.close()
 
 
 def test_set_epoch_replays_the_plan_of_that_epoch(no_leaks):

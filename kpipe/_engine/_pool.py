@@ -428,7 +428,7 @@ class ProcessBackend:
         seq = next(self._seq)
         workers = self._workers
         proc = workers[seq % len(workers)]
-        slot, _ = self._slots.acquire()
+        slot, _ = self._slots.acquire(proc.known_slots)
         new = []
         if slot not in proc.known_slots:
             new.append(slot)
@@ -436,7 +436,7 @@ class ProcessBackend:
         if inputs is not None:
             treedef, leaves, _ = _tree.flatten(inputs, what="input")
             layout = plan_layout(leaves)
-            in_slot, _ = self._slots.acquire()
+            in_slot, _ = self._slots.acquire(proc.known_slots)
             self._slots.segments[in_slot].write(leaves, layout)
             in_info = (in_slot, treedef, layout)
             if in_slot not in proc.known_slots:
@@ -461,8 +461,12 @@ class ProcessBackend:
                 if slot in p.known_slots:
                     p.drops.append(slot)
 
-    def get(self, seq):
-        """Waits for task `seq`; returns `(tree, treedef, meta)`, meta = [(dtype_str, shape)]."""
+    def get(self, seq, on_starved=None):
+        """Waits for task `seq`; returns `(tree, treedef, meta)`, meta = [(dtype_str, shape)].
+
+        `on_starved()`, if given, is called (once) if a live worker runs out of tasks
+        while this one is still loading: the caller may submit more.
+        """
         self._check_open()
         deadline = time.monotonic() + self.timeout
         while seq not in self._results:
@@ -473,6 +477,9 @@ class ProcessBackend:
             if remaining <= 0:
                 self._fail(self._timed_out(seq))
             self._pump(remaining)
+            if on_starved is not None and seq not in self._results and any(not p.pending and p.dead_error is None for p in self._workers):
+                on_starved, starved = None, on_starved
+                starved()
         result = self._results.pop(seq)
         task = self._tasks.pop(seq)
         if task.in_slot is not None:
@@ -648,6 +655,7 @@ class ThreadBackend:
             )
 
         self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="kpipe", initializer=init)
+        self._num_workers = num_workers
         self._futures = {}
         self._seq = itertools.count()
         self.closed = False
@@ -665,10 +673,20 @@ class ThreadBackend:
         self._futures[seq] = (key, self._pool.submit(self._run, key, inputs))
         return seq
 
-    def get(self, seq):
+    def get(self, seq, on_starved=None):
         key, fut = self._futures.pop(seq)
+        deadline = time.monotonic() + self.timeout
+        while on_starved is not None and not fut.done():
+            # Wake at each completion: has a thread run out of work while `fut` loads?
+            others = [f for _, f in self._futures.values() if not f.done()]
+            concurrent.futures.wait([fut] + others, max(0.0, deadline - time.monotonic()), concurrent.futures.FIRST_COMPLETED)
+            if time.monotonic() >= deadline:
+                break
+            if not fut.done() and 1 + sum(not f.done() for _, f in self._futures.values()) < self._num_workers:
+                on_starved, starved = None, on_starved
+                starved()
         try:
-            return fut.result(timeout=self.timeout)
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             self.close()
             raise BatchTimeoutError(
@@ -714,7 +732,7 @@ class InlineBackend:
         self._todo[seq] = (key, inputs)
         return seq
 
-    def get(self, seq):
+    def get(self, seq, on_starved=None):
         key, inputs = self._todo.pop(seq)
         try:
             out = self._target[key] if self._mode == "dataset" else self._target(inputs)

@@ -16,6 +16,7 @@ the slot be written again. Consumers therefore never see a batch change under th
 
 import mmap
 import os
+import sys
 import tempfile
 import threading
 
@@ -24,6 +25,8 @@ import numpy as np
 _ALIGN = 64  # bytes; cache-line alignment for every array in a slot
 _PAGE = mmap.PAGESIZE
 _HUGE_MIN_BYTES = 4 << 20
+# madvise(MADV_POPULATE_WRITE) (Linux >= 5.14) maps every page of a range, writable, in one call.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
 def align(n, to=_ALIGN):
@@ -47,6 +50,7 @@ class Segment:
         self.fd = fd
         self._mm = None
         self._mapped = 0
+        self._populated = 0  # bytes of the current mapping already paged in for writing
 
     @classmethod
     def create(cls, nbytes=0, name="kpipe"):
@@ -61,13 +65,32 @@ class Segment:
         return os.fstat(self.fd).st_size
 
     def reserve(self, nbytes):
-        """Grows the file to hold at least `nbytes` (never shrinks) and maps it."""
+        """Grows the file to hold at least `nbytes` (never shrinks), maps it, and pages in
+        the first `nbytes` for writing."""
         size = self.size
         if size < nbytes:
-            # Grow with headroom so a slowly growing batch size does not regrow each time.
-            size = align(max(nbytes, size + size // 4), _PAGE)
+            # Grow with headroom, so that the small arrays written after a big one, or a
+            # slowly growing batch size, do not regrow (and remap) the file each time.
+            # Headroom costs no memory until it is written: memfd pages are allocated on use.
+            size = align(max(nbytes + nbytes // 8, size + size // 4), _PAGE)
             os.ftruncate(self.fd, size)
         self._map(nbytes)
+        if nbytes > self._populated:
+            self._populate(nbytes)
+
+    def _populate(self, nbytes):
+        # A writer fills what it reserves: map those pages now, in one call. Write faults
+        # come one per 4 KiB page (no fault-around), so an image batch would otherwise
+        # take thousands of faults on the slot's first use in each worker.
+        start = self._populated
+        end = min(align(nbytes, _PAGE), self._mapped)
+        self._populated = end
+        if _MADV_POPULATE_WRITE is None or end <= start:
+            return
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE, start, end - start)
+        except OSError:
+            pass  # kernels before 5.14: the pages fault in on first write instead
 
     def _map(self, nbytes):
         if self._mapped >= nbytes and self._mm is not None:
@@ -79,6 +102,7 @@ class Segment:
         # when those arrays die (mmap objects close themselves when unreferenced).
         self._mm = mmap.mmap(self.fd, size)
         self._mapped = size
+        self._populated = 0
         if size >= _HUGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
             # Big batches on 4 KiB pages pay for TLB misses; where the kernel allows huge
             # pages for shared memory (transparent_hugepage/shmem_enabled = advise), ask.
@@ -195,10 +219,18 @@ class SlotPool:
         self._name = name
         self._closed = False
 
-    def acquire(self):
-        """Returns `(slot_id, created)`."""
+    def acquire(self, prefer=()):
+        """Returns `(slot_id, created)`: preferably a free slot in `prefer`, else the most
+        recently freed one, else a new slot.
+
+        Workers pass the slots they have already mapped: each worker then cycles through
+        a few slots of its own instead of mapping (and page-faulting) every slot.
+        """
         with self._lock:
             if self._free:
+                for i in range(len(self._free) - 1, -1, -1):
+                    if self._free[i] in prefer:
+                        return self._free.pop(i), False
                 return self._free.pop(), False
             slot = self._next_id
             self._next_id += 1
