@@ -12,9 +12,10 @@ NOTE [ kpipe worker shutdown and slot lifecycle ]
 Data flow for one task (`seq` increases by one per task; worker = seq % num_workers, so
 the assignment -- and any per-worker randomness -- is reproducible):
 
-    main: acquire slot S (a memfd) --task(seq, key, S)--> worker W
+    main: acquire slot S (a memfd; a free one W already maps if any) --task(seq, key, S)--> W
                          [first use of S by W: the fd follows via SCM_RIGHTS]
-    W:    out = target[key]; flatten; write leaves into S (grow S with ftruncate if needed)
+    W:    out = target[key]; flatten; write leaves into S (grow S with ftruncate if needed;
+          the pages W will write are mapped in one madvise(MADV_POPULATE_WRITE), not faulted)
     W:    --done(seq, treedef, layout)--> main      (arrays never go through the socket)
     main: get(seq): arrays = views of S, each holding a Lease(S)
     consumer drops the last array/view  ->  Lease.__del__  ->  S back to the free list
@@ -22,7 +23,10 @@ the assignment -- and any per-worker randomness -- is reproducible):
 A slot is written only while it is "in flight" (acquired, not yet leased), so a consumer
 never sees its arrays change. Slots the consumer still holds do not stall loading: a new
 slot is created instead; idle slots beyond `keep_idle` are closed and workers are told to
-unmap them with the next task they get.
+unmap them with the next task they get. How many tasks are in flight is the owner's
+choice (`ProcessLoader` keeps two per worker and goes deeper, up to `max_queue_size`, when
+`get(seq, on_starved=...)` reports a worker idle behind a slow batch): each slot costs a
+batch of memory and, on first use, the kernel's zeroing of its pages.
 
 Failures: every wait is `multiprocessing.connection.wait` on the worker sockets and
 process sentinels with a deadline. A worker exception comes back as data (type, message,
