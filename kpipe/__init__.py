@@ -15,8 +15,7 @@ Importing `kpipe` is cheap: TensorFlow and Keras are imported only when a name t
 them is first used, so loader worker processes never import TensorFlow on kpipe's account.
 """
 
-import importlib
-
+from kpipe import _lazy
 from kpipe._engine._alloc import empty
 from kpipe._engine.worker_info import WorkerInfo, worker_info
 from kpipe.errors import (
@@ -52,17 +51,4 @@ __all__ = [
     "worker_info",
 ]
 
-
-def __getattr__(name):
-    if name in _LAZY_ATTRS:
-        value = getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
-    elif name in _LAZY_MODULES:
-        value = importlib.import_module(f"kpipe.{name}")
-    else:
-        raise AttributeError(f"module 'kpipe' has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy.attach(globals(), _LAZY_ATTRS, _LAZY_MODULES)

@@ -2,7 +2,7 @@
 learning-rate warmup for large minibatches) and `BackupAndRestore` (crash-consistent,
 multi-worker-safe backups that resume every worker from the same epoch)."""
 
-import importlib
+from kpipe import _lazy
 
 _LAZY_ATTRS = {
     "BackupAndRestore": "kpipe.callbacks._backup",
@@ -11,10 +11,4 @@ _LAZY_ATTRS = {
 }
 __all__ = sorted(_LAZY_ATTRS)
 
-
-def __getattr__(name):
-    if name in _LAZY_ATTRS:
-        value = getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'kpipe.callbacks' has no attribute {name!r}")
+__getattr__, __dir__ = _lazy.attach(globals(), _LAZY_ATTRS)

@@ -16,8 +16,7 @@ first use.
 * `start_dispatcher()`, `start_worker()`, `via_data_service()` -- tf.data service.
 """
 
-import importlib
-
+from kpipe import _lazy
 from kpipe.distribute._chief import chief_only, chief_path, per_worker_path
 from kpipe.distribute._cluster import ClusterInfo, TFConfigError, cluster_info, default_shard
 from kpipe.distribute._launcher import LaunchResult, free_ports, launch, tf_configs
@@ -40,14 +39,4 @@ __all__ = sorted([
     *_LAZY_ATTRS,
 ])
 
-
-def __getattr__(name):
-    if name in _LAZY_ATTRS:
-        value = getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'kpipe.distribute' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy.attach(globals(), _LAZY_ATTRS)
