@@ -13,21 +13,9 @@ import sys
 
 import numpy as np
 
+from mw_train import ContiguousBatches  # TF-free; workers import it from this folder
+
 N_SAMPLES, BATCH = 64, 16
-
-
-class Batches:
-    """Plain indexable dataset (no TensorFlow), sent to the loader's worker processes."""
-
-    def __init__(self, x, y, batch_size):
-        self.x, self.y, self.batch_size = x, y, batch_size
-
-    def __len__(self):
-        return len(self.x) // self.batch_size
-
-    def __getitem__(self, i):
-        sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
-        return self.x[sl], self.y[sl]
 
 
 def main(argv=None):
@@ -52,7 +40,7 @@ def main(argv=None):
                                       keras.layers.Dense(2)])
             model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        with kpipe.ProcessLoader(Batches(x, y, BATCH), workers=2) as loader:
+        with kpipe.ProcessLoader(ContiguousBatches(x, y, BATCH), workers=2) as loader:
             history = model.fit(loader, epochs=3, verbose=0, shuffle=False,
                                 class_weight={0: 3.0, 1: 1.0})
         return history.history["loss"], model.get_weights()
