@@ -228,7 +228,7 @@ class ProcessLoader(keras.utils.PyDataset):
             if hasattr(self.dataset, "on_epoch_end"):
                 self.dataset.on_epoch_end()
             self._epoch += 1
-            if self._stateful or self._backend is None:
+            if self._stateful or self._backend is None or self._planner.length is None:
                 self._restart_epoch(resync=self._stateful)
             else:
                 self._carry_into_next_epoch()
@@ -410,16 +410,16 @@ class ProcessLoader(keras.utils.PyDataset):
         return self._planner.index(self._epoch + 1, position - n)
 
     def _carry_into_next_epoch(self):
-        """Starts the next epoch with the batches already loaded for it."""
+        """Starts the next epoch with the batches already loaded for it (finite plans)."""
         n = self._planner.length
         kept = collections.deque()
         for position, seq in self._queue:
-            if n is not None and position >= n:
+            if position >= n:
                 kept.append((position - n, seq))
             else:  # the rest of an epoch cut short (steps_per_epoch < len)
                 self._backend.discard(seq)
         self._queue = kept
-        self._next_dispatch = max(0, self._next_dispatch - n) if n is not None else 0
+        self._next_dispatch = max(0, self._next_dispatch - n)
         self._fill()
 
     def _fill(self):
