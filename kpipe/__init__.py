@@ -23,6 +23,7 @@ from kpipe.errors import (
     BatchTimeoutError,
     DatasetPicklingError,
     LoaderClosedError,
+    LoaderError,
     WorkerDiedError,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "BatchTimeoutError",
     "DatasetPicklingError",
     "LoaderClosedError",
+    "LoaderError",
     "ProcessLoader",
     "WorkerDiedError",
     "WorkerInfo",

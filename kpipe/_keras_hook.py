@@ -1,23 +1,44 @@
-"""kpipe's one hook into Keras's data adapters (`keras.src.trainers.data_adapters`).
+"""kpipe's hooks into Keras's data adapters (`keras.src.trainers`).
 
 Keras turns every `PyDataset` given to `fit`/`evaluate`/`predict` into a
-`PyDatasetAdapter`. kpipe swaps in a subclass that differs in two places only:
+`PyDatasetAdapter`. kpipe swaps in a subclass that leaves other datasets untouched and,
+for a `ProcessLoader`:
 
-* A `ProcessLoader` orders its own batches (seeded shuffle, in-order prefetch), so the
-  adapter is built with `shuffle=False` for it: Keras's `fit(shuffle=True)` default would
-  otherwise request batches in a random order of its own and defeat prefetching.
-* A `PyDataset` that loads only this worker's shard (`num_shards > 1`, e.g. a sharded
-  `ProcessLoader`) yields a `tf.data.Dataset` marked presharded, so kpipe's
-  `MultiWorkerMirroredStrategy` neither auto-shards it nor splits its batch again.
+* builds the adapter with `shuffle=False`: the loader orders its own batches (seeded
+  shuffle, in-order prefetch), and Keras's `fit(shuffle=True)` default would otherwise
+  request batches in a random order of its own and defeat prefetching;
+* reads the loader through *streams*, never by Keras's epoch ends: each iterator Keras
+  makes reads the rest of the loader's current pass, Keras's `on_epoch_begin`/
+  `on_epoch_end` are not forwarded (they fall mid-pass when `steps_per_epoch < len`),
+  and the reads Keras makes only to learn the tensor spec -- or to build the model
+  under a strategy (`_maybe_symbolic_build`, wrapped here) -- are *probes* that consume
+  nothing (see the NOTE in `kpipe/_engine/_cursor.py`);
+* marks the `tf.data.Dataset` presharded when the loader loads only this worker's shard
+  (`num_shards > 1`), so kpipe's `MultiWorkerMirroredStrategy` neither auto-shards it nor
+  splits its batch again (also for any `PyDataset` with `num_shards > 1`).
 
-Other datasets are untouched. With a Keras lacking this module layout the hook is not
-installed; a ProcessLoader then still works (random access), only slower under
-`fit(shuffle=True)`.
+NOTE [ Who keeps a ProcessLoader alive ]
+----------------------------------------
+`tf.data.Dataset.from_generator` registers its generator function with TensorFlow, and
+the graphs Keras traces keep it (gradient registry -> FuncGraph -> the outer graph's
+`_py_funcs_used_in_graph`) after `fit()` returns: whatever the generator references
+lives on. So the adapter and the generators hold the loader only through a weak
+reference. During `fit()`/`evaluate()`/`predict()` the caller's argument holds it (Keras
+keeps `x` and `validation_data` for the whole call); afterwards, once the user drops it,
+the loader is collected and its workers stop (`weakref.finalize` of its backend) --
+`model.fit(kpipe.ProcessLoader(ds))` re-run in a notebook cell leaves no processes.
+`as_dataset()` follows the same rule with the `tf.data.Dataset` it returns as the owner.
+
+With a Keras lacking this module layout the hooks are not installed; a ProcessLoader
+then still works (random access), but Keras's epoch ends reach `on_epoch_end`.
 """
+
+import contextlib
+import weakref
 
 
 def install():
-    """Installs the adapter subclass (idempotent)."""
+    """Installs the adapter subclass and the symbolic-build probe (idempotent)."""
     try:
         from keras.src.trainers import data_adapters
     except ImportError:
@@ -25,19 +46,115 @@ def install():
     base = data_adapters.PyDatasetAdapter
     if getattr(base, "_kpipe_hooked", False):
         return
+    data_adapters.PyDatasetAdapter = _make_adapter(base)
+    _wrap_symbolic_build()
 
+
+def _make_adapter(base):
     from kpipe.distribute._sharding import is_presharded, mark_presharded
 
     class PyDatasetAdapter(base):
         _kpipe_hooked = True
 
         def __init__(self, x, class_weight=None, shuffle=False):
-            if getattr(type(x), "_kpipe_orders_batches", False):
-                shuffle = False
-            super().__init__(x, class_weight=class_weight, shuffle=shuffle)
+            orders = getattr(type(x), "_kpipe_orders_batches", False)
+            super().__init__(x, class_weight=class_weight, shuffle=False if orders else shuffle)
+            self._kpipe_loader = None
+            if orders:
+                self._kpipe_loader = weakref.ref(x)
+                self.py_dataset = weakref.proxy(x)  # see NOTE: the graph must not own it
+
+        # -------------------------------------------------------------- loader path
+        def _loader(self):
+            loader = self._kpipe_loader() if self._kpipe_loader is not None else None
+            if loader is None:
+                from kpipe.errors import LoaderClosedError
+
+                raise LoaderClosedError(
+                    "The ProcessLoader given to Keras was garbage collected: keep a reference to it "
+                    "for as long as Keras iterates it (e.g. `loader = kpipe.ProcessLoader(...)`)."
+                )
+            return loader
+
+        def _get_iterator(self):
+            if self._kpipe_loader is None:
+                return super()._get_iterator()
+            return self._kpipe_stream()
+
+        def _kpipe_stream(self):
+            ref = self._kpipe_loader
+            loader = ref()
+            if loader is None:
+                return
+            stream = loader._open_stream()
+            del loader
+            while True:
+                loader = ref()
+                batch = None if loader is None else loader._stream_next(stream)
+                del loader
+                if batch is None:
+                    return
+                yield self._standardize_batch(batch)
+
+        def on_epoch_begin(self):
+            if self._kpipe_loader is None:
+                return super().on_epoch_begin()
+
+        def on_epoch_end(self):
+            if self._kpipe_loader is None:
+                return super().on_epoch_end()
+
+        @contextlib.contextmanager
+        def _kpipe_probe(self):
+            loader = self._loader()
+            loader._begin_probe()
+            try:
+                yield
+            finally:
+                loader._end_probe()
 
         def get_tf_dataset(self):
-            ds = super().get_tf_dataset()
-            return mark_presharded(ds) if is_presharded(self.py_dataset) else ds
+            if self._kpipe_loader is None:
+                ds = super().get_tf_dataset()
+                return mark_presharded(ds) if is_presharded(self.py_dataset) else ds
+            import tensorflow as tf
+            from keras.src.trainers.data_adapters import data_adapter_utils
 
-    data_adapters.PyDatasetAdapter = PyDatasetAdapter
+            loader = self._loader()
+            if self._output_signature is None:
+                n = loader.num_batches
+                count = 2 if n is None else min(2, n)
+                batches = [self._standardize_batch(loader._peek(i)) for i in range(count)]
+                self._output_signature = data_adapter_utils.get_tensor_spec(batches)
+                del batches
+            ds = tf.data.Dataset.from_generator(self._get_iterator, output_signature=self._output_signature)
+            ds = ds.prefetch(tf.data.AUTOTUNE)
+            return mark_presharded(ds) if loader.num_shards > 1 else ds
+
+    return PyDatasetAdapter
+
+
+def _wrap_symbolic_build():
+    """Under a strategy, Keras's TensorFlow trainer pulls one batch from a fresh iterator
+    to build the model, then drops it: for a ProcessLoader that read is a probe."""
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:
+        return
+    original = getattr(TensorFlowTrainer, "_maybe_symbolic_build", None)
+    if original is None or getattr(original, "_kpipe_wrapped", False):
+        return
+
+    def _maybe_symbolic_build(self, *args, **kwargs):
+        iterator = kwargs.get("iterator", args[0] if args else None)
+        probe = getattr(getattr(iterator, "data_adapter", None), "_kpipe_probe", None)
+        if probe is None or getattr(iterator.data_adapter, "_kpipe_loader", None) is None:
+            return original(self, *args, **kwargs)
+        loader = iterator.data_adapter._loader()
+        loader._keras_iterator = weakref.ref(iterator)  # BackupAndRestore aligns its step count
+        del loader
+        with probe():
+            return original(self, *args, **kwargs)
+
+    _maybe_symbolic_build._kpipe_wrapped = True
+    TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build

@@ -6,18 +6,22 @@ import operator
 import os
 import threading
 import time
+import weakref
 
 import keras
 import numpy as np
 
 from kpipe import _keras_hook
 from kpipe._engine import _tree
+from kpipe._engine._cursor import STATE_FORMAT, PassCursor
 from kpipe._engine._planner import EpochPlanner
 from kpipe._engine._pool import InlineBackend, ProcessBackend, ThreadBackend
 from kpipe._engine._pydataset_shim import PyDataset as _ShimPyDataset
 from kpipe.errors import LoaderClosedError, LoaderError
 
 _DEFAULT_TIMEOUT_S = 120.0
+# timeout=None: the engine still needs a number for its waits; ten days is "forever".
+_UNBOUNDED_WAIT_S = 10 * 86400.0
 
 
 class ProcessLoader(keras.utils.PyDataset):
@@ -128,21 +132,23 @@ class ProcessLoader(keras.utils.PyDataset):
         if max_queue_bytes is not None:
             max_queue_bytes = _check_int("max_queue_bytes", max_queue_bytes, 1, "Use None to bound by batches only.")
         self.max_queue_bytes = max_queue_bytes
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise ValueError(f"`timeout` must be a positive number of seconds. Received: timeout={timeout!r}.")
+        self.timeout = _check_timeout(timeout)
         if start_method not in (None, "forkserver", "spawn", "fork"):
             raise ValueError(
                 f"Invalid value for argument `start_method`. Received: start_method={start_method!r}. "
                 "Expected 'forkserver' (default), 'spawn' or 'fork'; for threads pass use_threads=True."
             )
+        _check_dataset(dataset)
         self.dataset = dataset
         self.num_workers = workers
         self.shuffle = bool(shuffle)
         self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else _check_int("seed", seed, 0, "")
         self.start_method = start_method or _default_start_method()
         self.use_threads = bool(use_threads)
-        self.timeout = float(timeout)
         self._name = type(dataset).__name__
+        self._stateful = _overrides(dataset, "on_epoch_end") or _overrides(dataset, "on_epoch_begin")
+        if _overrides(dataset, "on_epoch_begin"):
+            dataset.on_epoch_begin()  # pass 0 begins now, before the dataset goes to workers
         num_batches = _num_batches(dataset)
         if num_shards is None and shard_index is None:
             from kpipe.distribute._cluster import default_shard
@@ -155,19 +161,22 @@ class ProcessLoader(keras.utils.PyDataset):
                 "(infinite). Shuffle inside the dataset instead, or give it a length."
             )
         self._planner = EpochPlanner(num_batches, shuffle=self.shuffle, seed=self.seed, num_shards=num_shards, shard_index=shard_index)
-        self._stateful = _overrides(dataset, "on_epoch_end") or _overrides(dataset, "on_epoch_begin")
+        self._cursor = PassCursor(self._planner.length(num_batches))
+        self._dataset_lengths = {0: num_batches}  # the dataset's own len() at each pass
         self._lock = threading.RLock()
-        self._queue = collections.deque()  # (position, seq) in the order they will be asked for
-        self._next_dispatch = 0
-        self._epoch = 0
+        self._queue = collections.OrderedDict()  # key (pass, position) -> _Entry, keys ascending
         self._backend = None
         self._closed = False
+        self._deferred = None  # an error from the dataset's on_epoch_end, raised at the next read
         self._checker = _tree.StructureChecker(self._name)
         # Batches kept in flight: two per worker, grown (up to max_queue_size) when a
         # worker idles behind a slow batch. Fewer slots in flight means less shared
-        # memory, and fewer slots to create (and page in) before the first epoch flows.
+        # memory, and fewer slots to create (and page in) before the first pass flows.
         self._window = max_queue_size if workers == 0 else min(max_queue_size, 2 * workers)
-        self._stats = {"batches": 0, "samples": 0, "bytes": 0, "last_batch_bytes": 0, "wait_s": 0.0, "first_batch_s": None, "restarts": 0}
+        self._stats = {
+            "batches": 0, "samples": 0, "bytes": 0, "last_batch_bytes": 0, "wait_s": 0.0,
+            "first_batch_s": None, "restarts": 0, "loads": 0, "discards": 0, "passes": 0,
+        }
         self._t_created = time.perf_counter()
         self._start_backend()
         self._fill()
@@ -175,68 +184,51 @@ class ProcessLoader(keras.utils.PyDataset):
     # ---------------------------------------------------------------- PyDataset API
     @property
     def num_batches(self):
-        """Batches per epoch (of this shard), or None for an infinite dataset."""
-        return self._planner.length
+        """Batches in the current pass (of this shard), or None for an infinite dataset."""
+        return self._cursor.length_of(self._cursor.head[0])
 
     def __len__(self):
-        n = self._planner.length
+        n = self.num_batches
         if n is None:
             raise TypeError(f"`{self._name}` is infinite (num_batches is None); use steps_per_epoch.")
         return n
 
     def __getitem__(self, index):
-        """Returns batch `index` of the current epoch's plan."""
+        """Batch `index` of the current pass: index 0 starts reading at the first batch
+        not consumed yet (see the class docstring on passes)."""
         index = operator.index(index)
-        n = self._planner.length
-        if index < 0 and n is not None:
-            index += n
-        if index < 0 or (n is not None and index >= n):
-            raise IndexError(f"Batch index {index} is out of range for a loader of {n} batches per epoch.")
         with self._lock:
-            backend = self._ensure_backend()
-            self._seek(index)
-            window_full = len(self._queue) >= self._limit() and self._more_to_dispatch()
-            _, seq = self._queue.popleft()
-            t0 = time.perf_counter()
-            try:
-                deepen = self._deepen if window_full and self._window < self.max_queue_size else None
-                batch, treedef, meta = backend.get(seq, on_starved=deepen)
-            except Exception:
-                self._after_failure()
-                raise
-            finally:
-                self._stats["wait_s"] += time.perf_counter() - t0
-            try:
-                self._checker.check(self._planner.index(self._epoch, index), treedef, meta)
-                self._account(meta)
-            finally:
-                self._fill()
-            return batch
+            self._raise_deferred()
+            n = self.num_batches
+            if index < 0 and n is not None:
+                index += n
+            if index < 0 or (n is not None and index >= n):
+                raise IndexError(f"Batch index {index} is out of range for a loader of {n} batches per pass.")
+            stream, key, sequential = self._cursor.direct_key(index)
+            return self._hand_out(stream, key, sequential)
 
     def on_epoch_begin(self):
-        """Called by Keras when an epoch starts: rewinds to the epoch's first batch."""
-        with self._lock:
-            if self._stateful and _overrides(self.dataset, "on_epoch_begin"):
-                self.dataset.on_epoch_begin()
-                self._restart_epoch(resync=True)
-            elif self._backend is not None:
-                self._seek(0)
+        """Does nothing: the dataset's `on_epoch_begin` runs when a pass begins."""
 
     def on_epoch_end(self):
-        """Runs the dataset's `on_epoch_end` here, then starts the next epoch's plan."""
+        """Ends the current pass now if any of its batches were read, as a manual loop
+        that stops early expects; a pass read to its last batch already ended then.
+
+        `fit`/`evaluate`/`predict` never call this on a `ProcessLoader` (kpipe's Keras
+        adapter does not forward Keras's epoch ends, which fall mid-pass when
+        `steps_per_epoch < len`): the dataset's own `on_epoch_end` runs at the end of
+        each pass instead.
+        """
         with self._lock:
-            if hasattr(self.dataset, "on_epoch_end"):
-                self.dataset.on_epoch_end()
-            self._epoch += 1
-            if self._stateful or self._backend is None or self._planner.length is None:
-                self._restart_epoch(resync=self._stateful)
-            else:
-                self._carry_into_next_epoch()
+            self._raise_deferred()
+            if self._cursor.end_pass_early():
+                self._after_pass()
+                self._raise_deferred()
 
     # ------------------------------------------------------------------ extras
     @property
     def num_shards(self):
-        """How many shards each epoch is split into (1: no sharding)."""
+        """How many shards each pass is split into (1: no sharding)."""
         return self._planner.num_shards
 
     @property
@@ -246,29 +238,54 @@ class ProcessLoader(keras.utils.PyDataset):
 
     @property
     def epoch(self):
-        """Index of the current epoch (incremented by `on_epoch_end`)."""
-        return self._epoch
+        """Index of the current pass (0 first; incremented when a pass ends)."""
+        return self._cursor.head[0]
 
     def set_epoch(self, epoch):
-        """Jumps to the shuffle plan of `epoch`.
-
-        Call it before `model.fit(..., initial_epoch=epoch)` so that a resumed run sees
-        the same shuffled batches as an uninterrupted one (`fit` advances the loader once
-        before its first epoch, as it does in every run). Inside a callback, once `fit`
-        has started, restore a previously saved `loader.epoch` instead --
-        `kpipe.callbacks.BackupAndRestore(loaders=[...])` does this.
-        """
+        """Jumps to the start of pass `epoch` (its shuffle plan), dropping work in flight."""
         epoch = _check_int("epoch", epoch, 0, "")
         with self._lock:
-            if epoch != self._epoch:
-                self._epoch = epoch
-                self._restart_epoch(resync=False)
+            if self._cursor.head != (epoch, 0):
+                self._jump(epoch, 0, self._dataset_lengths[max(self._dataset_lengths)])
+
+    def state(self):
+        """Where this loader stands, as a small JSON-serialisable dict.
+
+        `position` is the first batch of pass `pass` not handed out yet by the current
+        read (`loader[i]` or one iteration of `as_dataset()`). Under `fit()`, TensorFlow
+        reads ahead of training: use `kpipe.callbacks.BackupAndRestore`, which records
+        what training consumed. `restore(state)` continues from exactly there.
+
+        Returns:
+            `{"format", "pass", "position", "num_batches", "seed", "shuffle",
+            "num_shards", "shard_index"}`.
+        """
+        with self._lock:
+            return self._state_at(self._cursor.direct_position())
+
+    def restore(self, state):
+        """Continues from `state` (from `state()`, possibly of another process).
+
+        Work in flight is dropped; the next read starts at the saved position of the
+        saved pass, with that pass's shuffle plan, whatever `workers` was before or is
+        now. A dataset with its own epoch state (e.g. an index reshuffled in
+        `on_epoch_end`) must restore that state itself.
+
+        Raises:
+            ValueError: if the state was saved for another dataset length, seed,
+                shuffle setting or sharding, or is malformed.
+        """
+        pass_, position, num_batches = self._check_state(state)
+        with self._lock:
+            self._jump(pass_, position, num_batches)
 
     def stats(self):
-        """Counters since construction: `batches`, `samples`, `bytes`, `wait_s` (time the
-        consumer blocked waiting for workers), `first_batch_s` (construction to first
-        batch), `restarts`, `workers`, `pids`, and `queue_depth` (batches the loader
-        now keeps in flight, at most `max_queue_size`)."""
+        """Counters since construction: `batches` (handed out), `samples`, `bytes`,
+        `loads` (batches loaded by workers), `discards` (loaded or requested, then
+        dropped unused), `passes` (passes completed), `wait_s` (time the consumer
+        blocked waiting for workers), `first_batch_s` (construction to first batch),
+        `restarts`, `workers`, `pids`, and `queue_depth` (batches the loader now keeps
+        in flight, at most `max_queue_size`)."""
         with self._lock:
             out = dict(self._stats)
             out["queue_depth"] = self._limit()
@@ -277,11 +294,17 @@ class ProcessLoader(keras.utils.PyDataset):
             return out
 
     def as_dataset(self, *, prefetch=2):
-        """A `tf.data.Dataset` yielding one epoch of this loader per iteration.
+        """A `tf.data.Dataset` yielding the rest of the current pass per iteration.
 
-        The element spec comes from the first batch, with the batch dimension left
-        unknown. Each complete iteration calls `on_epoch_end()`. Use it to compose with
-        tf.data or to feed a `tf.distribute` strategy.
+        Each iteration of the dataset reads from the first batch not consumed yet to the
+        end of that pass (a whole pass, unless the loader was restored mid-pass), so
+        iterating it again -- a new Keras epoch, `repeat()` -- reads the next pass. The
+        element spec comes from the first batch, with the batch dimension left unknown
+        (and inner dimensions unknown where the first two batches differ). For a finite
+        loader whose dataset has no epoch hooks the cardinality is declared (Keras then
+        knows the steps per epoch); a dataset with `on_epoch_end` may change its length
+        between passes, so its cardinality is left unknown. The dataset holds the loader
+        (whose workers stop when both are gone or on `close()`).
 
         Args:
             prefetch: Batches tf.data converts ahead. Defaults to 2.
@@ -291,30 +314,33 @@ class ProcessLoader(keras.utils.PyDataset):
         """
         import tensorflow as tf
 
-        first = self[0]
-        treedef, leaves, _ = _tree.flatten(first)
-        if "none" in repr(treedef):
-            raise LoaderError("as_dataset() cannot express `None` entries of a batch; drop them in __getitem__.")
-        specs = [tf.TensorSpec((None,) + a.shape[1:] if a.ndim else (), tf.as_dtype(a.dtype)) for a in leaves]
-        signature = _tree.unflatten(treedef, specs)
-        if isinstance(signature, list):
-            signature = tuple(signature)
-        del first, leaves
+        signature = self._signature()
+        ref = weakref.ref(self)
+        finite = self.num_batches is not None
 
         def generate():
-            n = self.num_batches
-            i = 0
-            while n is None or i < n:
-                batch = self[i]
+            loader = ref()
+            if loader is None:
+                return
+            stream = loader._open_stream()
+            del loader
+            while True:
+                loader = ref()
+                batch = None if loader is None else loader._stream_next(stream)
+                del loader
+                if batch is None:
+                    return
                 yield tuple(batch) if isinstance(batch, list) else batch
-                i += 1
-            self.on_epoch_end()
 
-        ds = tf.data.Dataset.from_generator(generate, output_signature=signature).prefetch(prefetch)
+        ds = tf.data.Dataset.from_generator(generate, output_signature=signature)
+        if finite and not self._stateful and self._cursor.head[1] == 0:
+            ds = ds.apply(tf.data.experimental.assert_cardinality(self.num_batches))
+        ds = ds.prefetch(prefetch)
         if self.num_shards > 1:  # already this worker's share: no second split by tf.data
             from kpipe.distribute import mark_presharded
 
             ds = mark_presharded(ds)
+        _keep_alive(ds, self)
         return ds
 
     def close(self):
@@ -346,23 +372,290 @@ class ProcessLoader(keras.utils.PyDataset):
             "and build a new loader where you need it."
         )
 
+    # ------------------------------------------------- streams (kpipe's Keras adapter)
+    def _open_stream(self):
+        with self._lock:
+            self._raise_deferred()
+            return self._cursor.open_stream()
+
+    def _stream_next(self, stream):
+        """The next batch of `stream`, or None when its pass has ended."""
+        with self._lock:
+            self._raise_deferred()
+            key = self._cursor.next_key(stream)
+            if key is None or (stream.probe and not self._probe_may_load(key)):
+                return None
+            return self._hand_out(stream, key, True)
+
+    def _peek(self, index):
+        """Batch `index` after the head, for a probe (Keras's tensor spec): moves nothing,
+        and the batch is kept for the read that consumes it."""
+        with self._lock:
+            self._raise_deferred()
+            return self._fetch(self._cursor.walk(self._cursor.head, index), keep=True)
+
+    def _begin_probe(self):
+        with self._lock:
+            self._cursor.begin_probe()
+
+    def _end_probe(self):
+        with self._lock:
+            self._cursor.end_probe()
+
+    def _probe_may_load(self, key):
+        """A probe reads at most a queue's worth past the head (Keras needs one batch)."""
+        return self._cursor.walk(self._cursor.head, self.max_queue_size) > key
+
+    def _key_after(self, origin, consumed):
+        """The key `consumed` batches after `origin` (for BackupAndRestore)."""
+        with self._lock:
+            return self._cursor.walk(origin, consumed)
+
+    def _state_at(self, key):
+        return {
+            "format": STATE_FORMAT,
+            "pass": int(key[0]),
+            "position": int(key[1]),
+            "num_batches": self._dataset_lengths.get(key[0], self._dataset_lengths[max(self._dataset_lengths)]),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_shards": self.num_shards,
+            "shard_index": self.shard_index,
+        }
+
+    def _check_state(self, state):
+        if not isinstance(state, dict):
+            raise ValueError(f"`state` must be a dict from `loader.state()`. Received: {str(state)[:100]} of type {type(state).__name__}.")
+        fmt = state.get("format")
+        if fmt != STATE_FORMAT:
+            newer = isinstance(fmt, int) and fmt > STATE_FORMAT
+            raise ValueError(
+                f"Cannot restore a loader state of format {fmt!r}: this kpipe reads format {STATE_FORMAT}"
+                + (" (the state comes from a newer kpipe; upgrade kpipe here)." if newer else ".")
+            )
+        try:
+            pass_, position = _check_int("state['pass']", state["pass"], 0, ""), _check_int("state['position']", state["position"], 0, "")
+        except KeyError as exc:
+            raise ValueError(f"`state` lacks the entry {exc}; pass a dict from `loader.state()`.") from None
+        expected = {"seed": self.seed, "shuffle": self.shuffle, "num_shards": self.num_shards, "shard_index": self.shard_index}
+        for name, want in expected.items():
+            if state.get(name) != want:
+                raise ValueError(
+                    f"The state was saved by a loader with {name}={state.get(name)!r}, but this loader has "
+                    f"{name}={want!r}. Restore it into a loader built with the same {name}."
+                )
+        saved_n = state.get("num_batches")
+        current_n = self._dataset_lengths[max(self._dataset_lengths)]
+        if not self._stateful and saved_n != current_n:
+            raise ValueError(
+                f"The state was saved for a dataset of {saved_n} batches, but `{self._name}` has {current_n}: "
+                "it is not the same data. Restore it into a loader of the same dataset."
+            )
+        length = self._planner.length(saved_n)
+        if length is not None and position >= length:
+            raise ValueError(f"state['position']={position} is out of range for a pass of {length} batches.")
+        return pass_, position, saved_n
+
     # --------------------------------------------------------------- internals
+    def _signature(self):
+        import tensorflow as tf
+
+        first = self._peek(0)
+        treedef, leaves, _ = _tree.flatten(first)
+        if "none" in repr(treedef):
+            raise LoaderError("as_dataset() cannot express `None` entries of a batch; drop them in __getitem__.")
+        n = self.num_batches
+        second = _tree.flatten(self._peek(1))[1] if n is None or n > 1 else leaves
+        specs = []
+        for a, b in zip(leaves, second):
+            shape = [None] + [d if d == e else None for d, e in zip(a.shape[1:], b.shape[1:])] if a.ndim else []
+            specs.append(tf.TensorSpec(shape, tf.as_dtype(a.dtype)))
+        signature = _tree.unflatten(treedef, specs)
+        return tuple(signature) if isinstance(signature, list) else signature
+
+    def _hand_out(self, stream, key, sequential):
+        batch = self._fetch(key, keep=stream.probe)
+        if self._cursor.handed_out(stream, key, sequential):
+            self._cursor.complete_pass()
+            self._after_pass()
+        return batch
+
+    def _fetch(self, key, keep):
+        """The batch at `key`: loaded (or taken from what a probe kept). `keep` keeps it
+        queued for the next read of the same key."""
+        backend = self._ensure_backend()
+        entry = self._seek(key, probe=keep)
+        if entry.batch is not None:
+            batch = entry.batch
+            if not keep:
+                del self._queue[key]
+                self._fill()
+            return batch
+        window_full = self._in_flight() >= self._limit() and self._next_dispatch() is not None
+        t0 = time.perf_counter()
+        try:
+            deepen = self._deepen if window_full and self._window < self.max_queue_size else None
+            batch, treedef, meta = backend.get(entry.seq, on_starved=deepen)
+        except BaseException:
+            self._queue.pop(key, None)
+            self._after_failure()
+            raise
+        finally:
+            self._stats["wait_s"] += time.perf_counter() - t0
+        entry.seq = None
+        try:
+            self._checker.check(entry.index, treedef, meta)
+            self._account(meta)
+        except BaseException:
+            self._queue.pop(key, None)
+            self._fill()
+            raise
+        if keep:
+            entry.batch = batch
+        else:
+            del self._queue[key]
+        self._fill()
+        return batch
+
+    def _seek(self, key, probe):
+        """The queue entry of `key`, submitting it if needed. A real read drops every
+        entry before `key` (those batches were skipped); a probe keeps them."""
+        queue = self._queue
+        if not probe:
+            for k in [k for k in queue if k < key]:
+                self._drop(k)
+        entry = queue.get(key)
+        if entry is not None:
+            return entry
+        first = next(iter(queue), None)
+        if first is not None and key < first and self._distance(key, first) <= self.max_queue_size:
+            # e.g. a new stream replays the start of a pass whose batches were consumed
+            missing, k = [], key
+            while k < first:
+                missing.append(k)
+                k = self._cursor.successor(k, cross_passes=True)
+            for k in reversed(missing):
+                queue[k] = self._submit(k)
+                queue.move_to_end(k, last=False)
+            return queue[key]
+        if not probe or first is None or key > next(reversed(queue)):
+            for k in [k for k in queue if not (probe and queue[k].batch is not None)]:
+                self._drop(k)
+        if key not in queue:
+            queue[key] = self._submit(key)
+            self._sort_queue()
+        self._fill(after=key)
+        return queue[key]
+
+    def _distance(self, a, b):
+        steps = 0
+        while a < b and steps <= self.max_queue_size:
+            a = self._cursor.successor(a, cross_passes=True)
+            steps += 1
+        return steps
+
+    def _sort_queue(self):
+        for k in sorted(self._queue):
+            self._queue.move_to_end(k)
+
+    def _submit(self, key):
+        index = self._planner.index(key[0], key[1], self._dataset_lengths.get(key[0], self._dataset_lengths[max(self._dataset_lengths)]))
+        self._stats["loads"] += 1
+        return _Entry(index, self._backend.submit(index))
+
+    def _drop(self, key):
+        entry = self._queue.pop(key)
+        if entry.batch is None:
+            self._stats["discards"] += 1
+            if entry.seq is not None and self._backend is not None:
+                self._backend.discard(entry.seq)
+
+    def _in_flight(self):
+        return sum(1 for e in self._queue.values() if e.batch is None)
+
+    def _next_dispatch(self, after=None):
+        """The next key to load: after the last queued one (or the head / the current
+        read), at most one pass past the head, and across a pass boundary only when the
+        next pass's plan cannot change (no epoch hooks) -- see the NOTE in _cursor.py."""
+        last = next(reversed(self._queue), None)
+        if last is None:
+            key = after if after is not None else self._cursor.direct_position()
+        else:
+            key = self._cursor.successor(last, cross_passes=not self._stateful)
+        if key is None or key[0] > self._cursor.head[0] + 1:
+            return None
+        return max(key, self._cursor.head)
+
+    def _fill(self, after=None):
+        backend = self._backend
+        if backend is None or backend.closed:
+            return
+        limit = self._limit()
+        while self._in_flight() < limit:
+            key = self._next_dispatch(after)
+            if key is None:
+                return
+            self._queue[key] = self._submit(key)
+
+    def _after_pass(self):
+        """A pass ended: the dataset's own `on_epoch_end`/`on_epoch_begin` run here, its
+        new length is read and its new state reaches the workers before the next pass
+        loads. An error is raised at the next read (this batch is already out)."""
+        self._stats["passes"] += 1
+        head = self._cursor.head
+        for k in [k for k in self._queue if k < head]:
+            self._drop(k)
+        n = self._dataset_lengths[max(self._dataset_lengths)]
+        if self._stateful:
+            try:
+                if hasattr(self.dataset, "on_epoch_end"):
+                    self.dataset.on_epoch_end()
+                if _overrides(self.dataset, "on_epoch_begin"):
+                    self.dataset.on_epoch_begin()
+                n = _num_batches(self.dataset)
+                for k in list(self._queue):
+                    self._drop(k)
+                if self._backend is not None:
+                    self._backend.reset_target(self.dataset)
+            except BaseException as exc:
+                self._after_failure()
+                self._deferred = exc
+        self._dataset_lengths[head[0]] = n
+        self._cursor.set_length(head[0], self._planner.length(n))
+        self._fill()
+
+    def _jump(self, pass_, position, num_batches):
+        for k in list(self._queue):
+            self._drop(k)
+        self._dataset_lengths[pass_] = num_batches
+        self._cursor.set_length(pass_, self._planner.length(num_batches))
+        self._cursor.jump(pass_, position)
+        self._fill()
+
+    def _raise_deferred(self):
+        exc, self._deferred = self._deferred, None
+        if exc is not None:
+            raise exc
+
     def _start_backend(self):
         common = dict(mode="dataset", name=self._name)
         if self.num_workers == 0:
             self._backend = InlineBackend(self.dataset, **common)
         elif self.use_threads:
-            self._backend = ThreadBackend(self.dataset, num_workers=self.num_workers, timeout=self.timeout, seed=self.seed, **common)
+            self._backend = ThreadBackend(self.dataset, num_workers=self.num_workers, timeout=self._wait_s(), seed=self.seed, **common)
         else:
             self._backend = ProcessBackend(
                 self.dataset,
                 num_workers=self.num_workers,
                 start_method=self.start_method,
-                timeout=self.timeout,
+                timeout=self._wait_s(),
                 seed=self.seed,
                 keep_idle=self.max_queue_size + self.num_workers,
                 **common,
             )
+
+    def _wait_s(self):
+        return _UNBOUNDED_WAIT_S if self.timeout is None else self.timeout
 
     def _ensure_backend(self):
         if self._closed:
@@ -376,10 +669,6 @@ class ProcessLoader(keras.utils.PyDataset):
         if self._backend is not None and self._backend.closed:
             self._backend = None
             self._queue.clear()
-            self._next_dispatch = self._queue_head()
-
-    def _queue_head(self):
-        return self._queue[0][0] if self._queue else self._next_dispatch
 
     def _deepen(self):
         """A worker ran out of work while the consumer waits for a slower batch: batch
@@ -395,81 +684,6 @@ class ProcessLoader(keras.utils.PyDataset):
             limit = max(1, self.num_workers, min(limit, self.max_queue_bytes // last if last else 0))
         return limit
 
-    def _more_to_dispatch(self):
-        n = self._planner.length
-        # A dataset without on_epoch_end/on_epoch_begin loads the same way every epoch, and
-        # the next epoch's plan is known: keep loading into it, so that workers do not
-        # idle while the last batches of an epoch drain (up to one epoch ahead).
-        return n is None or self._next_dispatch < (n if self._stateful else 2 * n)
-
-    def _key(self, position):
-        """The dataset index of `position` in the plan (positions >= n: the next epoch)."""
-        n = self._planner.length
-        if n is None or position < n:
-            return self._planner.index(self._epoch, position)
-        return self._planner.index(self._epoch + 1, position - n)
-
-    def _carry_into_next_epoch(self):
-        """Starts the next epoch with the batches already loaded for it (finite plans)."""
-        n = self._planner.length
-        kept = collections.deque()
-        for position, seq in self._queue:
-            if position >= n:
-                kept.append((position - n, seq))
-            else:  # the rest of an epoch cut short (steps_per_epoch < len)
-                self._backend.discard(seq)
-        self._queue = kept
-        self._next_dispatch = max(0, self._next_dispatch - n)
-        self._fill()
-
-    def _fill(self):
-        backend = self._backend
-        if backend is None or backend.closed:
-            return
-        limit = self._limit()
-        while len(self._queue) < limit and self._more_to_dispatch():
-            self._queue.append((self._next_dispatch, backend.submit(self._key(self._next_dispatch))))
-            self._next_dispatch += 1
-
-    def _discard_all(self):
-        for _, seq in self._queue:
-            self._backend.discard(seq)
-        self._queue.clear()
-
-    def _seek(self, index):
-        """Makes `index` the head of the queue, reusing in-flight work where possible."""
-        queue = self._queue
-        if queue and queue[0][0] == index:
-            return
-        positions = [p for p, _ in queue]
-        if index in positions:
-            while queue[0][0] != index:
-                self._backend.discard(queue.popleft()[1])
-            return
-        head = self._queue_head()
-        if index < head and head - index <= self.max_queue_size:
-            # e.g. Keras reads batches 0 and 1 for its tensor spec, then starts the epoch.
-            fresh = [(p, self._backend.submit(self._key(p))) for p in range(index, head)]
-            queue.extendleft(reversed(fresh))
-            return
-        self._discard_all()
-        self._next_dispatch = index
-        self._fill()
-
-    def _restart_epoch(self, resync):
-        if self._backend is None:
-            self._next_dispatch = 0
-            return
-        self._discard_all()
-        self._next_dispatch = 0
-        if resync:
-            try:
-                self._backend.reset_target(self.dataset)
-            except Exception:
-                self._after_failure()
-                raise
-        self._fill()
-
     def _account(self, meta):
         st = self._stats
         st["batches"] += 1
@@ -480,6 +694,46 @@ class ProcessLoader(keras.utils.PyDataset):
         st["last_batch_bytes"] = nbytes
         if st["first_batch_s"] is None:
             st["first_batch_s"] = time.perf_counter() - self._t_created
+
+
+class _Entry:
+    """A queued batch: its dataset index, the backend task, and the batch once a probe
+    read it (kept for the read that consumes it)."""
+
+    __slots__ = ("index", "seq", "batch")
+
+    def __init__(self, index, seq):
+        self.index = index
+        self.seq = seq
+        self.batch = None
+
+
+def _keep_alive(ds, loader):
+    """`ds` (and the datasets made from it) hold `loader`; TensorFlow's graphs, which keep
+    the generator forever, only hold it weakly (see NOTE in kpipe/_keras_hook.py)."""
+    try:
+        ds._kpipe_loader = loader
+    except AttributeError:  # pragma: no cover - a tf.data object without a __dict__
+        pass
+
+
+def _check_timeout(timeout):
+    if timeout is None or (isinstance(timeout, float) and math.isinf(timeout) and timeout > 0):
+        return None
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0 or math.isnan(timeout):
+        raise ValueError(
+            f"`timeout` must be a positive number of seconds, or None for no timeout. Received: timeout={timeout!r}."
+        )
+    return float(timeout)
+
+
+def _check_dataset(dataset):
+    if isinstance(dataset, (str, bytes, bytearray, dict)) or not hasattr(dataset, "__getitem__"):
+        raise TypeError(
+            "`dataset` must have __getitem__(i) returning batch i and __len__ (a keras.utils.PyDataset "
+            f"or Sequence). Received: {str(dataset)[:100]!s} of type {type(dataset).__name__}. For a Python "
+            "generator, pass it to model.fit directly; for arrays, use kpipe.data.from_numpy."
+        )
 
 
 def _default_start_method():
@@ -507,6 +761,12 @@ def _num_batches(dataset):
             f"Cannot tell how many batches `{type(dataset).__name__}` has: {exc}. Define __len__ "
             "(or a num_batches property returning None for an infinite dataset)."
         ) from None
+    except Exception as exc:
+        raise LoaderError(
+            f"len() of `{type(dataset).__name__}` raised {type(exc).__name__}: {exc}. kpipe asks the "
+            "dataset for its length when the loader is built and after each pass; fix __len__ "
+            "(or num_batches) so that it returns the number of batches."
+        ) from exc
     if n is None:
         return None
     n = operator.index(n)

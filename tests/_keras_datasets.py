@@ -43,3 +43,54 @@ class Probe(keras.utils.PyDataset):
         import sys
 
         return np.full((2, 1), i, "float32"), np.array(["tensorflow" in sys.modules, "keras" in sys.modules])
+
+
+class BatchIds(keras.utils.PyDataset):
+    """Batch i holds the id i in every entry of x; appends i to the file `log` (if set)
+    at every load, so tests count __getitem__ calls across worker processes."""
+
+    def __init__(self, n=12, log=None, **kwargs):
+        super().__init__(**kwargs)
+        self.n, self.log = n, log
+
+    def __len__(self):
+        return self.n
+
+    def _note(self, i):
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(f"{i}\n")
+
+    def __getitem__(self, i):
+        self._note(i)
+        return np.full((2, 3), i, "float32"), np.zeros((2, 1), "float32")
+
+
+class ReplacingIds(BatchIds):
+    """The canonical Keras Sequence: on_epoch_end *replaces* its index array with a new
+    permutation; batch i holds id order[i]."""
+
+    def __init__(self, n=12, log=None, **kwargs):
+        super().__init__(n, log, **kwargs)
+        self.order = np.arange(n)
+        self.ends = 0
+
+    def __getitem__(self, i):
+        self._note(i)
+        return np.full((2, 3), self.order[i], "float32"), np.zeros((2, 1), "float32")
+
+    def on_epoch_end(self):
+        self.ends += 1
+        self.order = np.random.default_rng(self.ends).permutation(self.n)
+
+
+class GrowingIds(BatchIds):
+    """A curriculum: every on_epoch_end adds two batches."""
+
+    def __init__(self, n=4, log=None, **kwargs):
+        super().__init__(n, log, **kwargs)
+        self.ends = 0
+
+    def on_epoch_end(self):
+        self.ends += 1
+        self.n += 2

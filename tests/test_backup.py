@@ -97,7 +97,7 @@ def test_resume_after_crash_equals_uninterrupted_run(tmp_path, uninterrupted, no
         model = _model()
         history = _fit(model, loader, [callback, keras.callbacks.LambdaCallback(
             on_epoch_begin=lambda epoch, logs: epochs_run.append(epoch))])
-        assert loader.epoch == uninterrupted[1]  # EPOCHS + 1: see NOTE in _backup.py
+        assert loader.epoch == uninterrupted[1] == EPOCHS  # one pass per epoch
     assert callback.restored_epoch == 2 and epochs_run == [2, 3]
     assert len(history.history["loss"]) == 2
     assert int(model.optimizer.iterations.numpy()) == EPOCHS * len(Batches())
@@ -164,7 +164,8 @@ def test_torn_and_abandoned_epochs_are_ignored_then_removed(tmp_path):
 @pytest.mark.parametrize("kwargs, fragments", [
     ({"keep": 0}, ["`keep`", "Received: keep=0", "keep=1"]),
     ({"keep": True}, ["`keep`", "Received: keep=True"]),
-    ({"save_freq": 100}, ["`save_freq`", "Received: save_freq=100", "save_freq='epoch'"]),
+    ({"save_freq": 0}, ["`save_freq`", "Received: save_freq=0", "save_freq='epoch'", "save_freq=500"]),
+    ({"save_freq": 2.5}, ["`save_freq`", "Received: save_freq=2.5"]),
     ({"save_freq": "batch"}, ["`save_freq`", "Received: save_freq='batch'"]),
 ])
 def test_bad_arguments_name_the_argument_value_and_fix(tmp_path, kwargs, fragments):
@@ -178,15 +179,16 @@ def test_bad_backup_dir_and_loaders_are_rejected(tmp_path):
     with pytest.raises(ValueError, match=r"`backup_dir`.*Received: backup_dir=''"):
         BackupAndRestore("")
     with pytest.raises(TypeError,
-                       match=r"`loaders`.*set_epoch.*Received: loaders\[1\]=\[1, 2\]"):
+                       match=r"`loaders`.*`state\(\)` and `restore\(state\)`.*Received: loaders\[1\]=\[1, 2\]"):
         BackupAndRestore(str(tmp_path), loaders=[_FakeLoader(), [1, 2]])
 
 
 class _FakeLoader:
-    epoch = 0
+    def state(self):
+        return {}
 
-    def set_epoch(self, epoch):
-        self.epoch = epoch
+    def restore(self, state):
+        pass
 
 
 @pytest.mark.timeout(60)
@@ -241,3 +243,90 @@ def test_workers_with_torn_backups_agree_on_the_older_epoch(tmp_path):
         assert np.array_equal(arrays[0][f"w{i}"], arrays[1][f"w{i}"])
         np.testing.assert_allclose(arrays[0][f"w{i}"], arrays[0][f"reference/w{i}"],
                                    rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- mid-epoch resume
+_SEEN = []
+
+
+def _record(ids):
+    _SEEN.extend(int(v) for v in ids.numpy())
+    return np.int32(0)
+
+
+class RecordingModel(keras.Sequential):
+    """Records the first input value of every batch its compiled train step consumes."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        tf.py_function(_record, [tf.reshape(data[0][0, 0] * 1e6, [1])], tf.int32)
+        return super().train_step(data)
+
+
+def _recording_model():
+    keras.utils.set_random_seed(1)
+    model = RecordingModel([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+    return model
+
+
+class CrashAtStep(keras.callbacks.Callback):
+    """Raises after `step` training steps, as a killed process would stop."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.done = step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += 1
+        if self.done == self.step:
+            raise RuntimeError("simulated crash")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("steps, save_freq, crash", [(None, 5, 13), (3, 4, 9), (5, 3, 10), (3, "epoch", 7)],
+                         ids=["epochs-are-passes", "steps3-save-at-pass-end", "steps5", "steps3-epoch-backups"])
+def test_mid_epoch_resume_trains_the_same_batches_and_weights(steps, save_freq, crash, tmp_path, no_leaks):
+    epochs = 4
+
+    def fit(workers, callbacks):
+        _SEEN.clear()
+        with kpipe.ProcessLoader(Batches(), workers=workers, shuffle=True, seed=SEED) as loader:
+            model = _recording_model()
+            cbs = [cb(loader) if callable(cb) and not isinstance(cb, keras.callbacks.Callback) else cb
+                   for cb in callbacks]
+            try:
+                history = model.fit(loader, epochs=epochs, steps_per_epoch=steps, verbose=0, callbacks=cbs)
+            except RuntimeError:
+                history = None
+            return list(_SEEN), model.get_weights(), history, cbs
+
+    full_ids, full_weights, full_history, _ = fit(1, [])
+    backup = str(tmp_path / "backup")
+    make = lambda loader: BackupAndRestore(backup, save_freq=save_freq, loaders=loader)  # noqa: E731
+    crashed_ids, _, _, _ = fit(2, [make, CrashAtStep(crash)])
+    assert crashed_ids == full_ids[:crash]
+    resumed_ids, weights, history, (callback,) = fit(0, [make])
+    done = callback.restored_step
+    assert 0 < done < crash and (save_freq == "epoch" or done == crash // save_freq * save_freq)
+    assert resumed_ids == full_ids[done:]  # exactly the batches an uninterrupted run takes next
+    for got, want in zip(weights, full_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    resumed_epochs = epochs - callback.restored_epoch
+    assert len(history.history["loss"]) == resumed_epochs
+    # epochs after the resumed one log what the uninterrupted run logged
+    np.testing.assert_allclose(history.history["loss"][1:], full_history.history["loss"][-resumed_epochs + 1:], rtol=1e-5)
+    assert not os.path.exists(backup) or not os.listdir(backup)
+
+
+def test_backups_of_an_older_format_are_refused_with_the_reason(tmp_path):
+    old = tmp_path / "epoch-000001"
+    old.mkdir()
+    (old / "state.weights.h5").write_bytes(b"x")
+    (old / "metadata.json").write_text(json.dumps({"format": 1, "epoch": 1, "files": {"state.weights.h5": 1}}))
+    with pytest.raises(ValueError, match=r"older kpipe \(format 1; this kpipe reads format 2\).*delete the backup"):
+        _backup.complete_epochs(str(tmp_path))
+    (old / "metadata.json").write_text(json.dumps({"format": 9, "index": 1, "files": {}}))
+    with pytest.raises(ValueError, match="newer kpipe.*upgrade kpipe"):
+        _backup.complete_epochs(str(tmp_path))

@@ -69,14 +69,20 @@ def test_the_next_epoch_loads_ahead_only_without_epoch_hooks(kw, no_leaks):
             steps = 4 if epoch == 1 else 6  # epoch 1 is cut short, as steps_per_epoch < len does
             got = [int(loader[i][0][0, 0]) for i in range(steps)]
             assert got == [int(ref[i][0][0, 0]) for i in range(steps)]
-            if steps == 6:  # the next epoch's first batches are already loading
-                assert loader._queue and min(p for p, _ in loader._queue) >= 6
-            loader.on_epoch_end()
+            if steps == 6:  # the pass ended with its last batch: the next one is loading
+                assert loader.epoch == epoch + 1
+                assert loader._queue and min(loader._queue) >= (epoch + 1, 0)
+            loader.on_epoch_end()  # ends the pass cut short; a no-op after a full one
             ref.on_epoch_end()
-    # on_epoch_end may change what the batches hold: nothing is loaded past the epoch.
-    with kpipe.ProcessLoader(Reshuffling(n=6), max_queue_size=4, **kw) as loader:
-        [loader[i] for i in range(6)]
-        assert not loader._queue
+            assert loader.epoch == ref.epoch == epoch + 1
+    # on_epoch_end may change what the batches hold: nothing of the next pass is loaded
+    # before the dataset's on_epoch_end has run and its new state reached the workers.
+    with kpipe.ProcessLoader(Reshuffling(n=6, big=False), max_queue_size=4, **kw) as loader:
+        first = [loader[i] for i in range(5)]
+        assert all(k[0] == 0 for k in loader._queue)
+        first.append(loader[5])  # the pass ends: on_epoch_end runs, then pass 1 loads
+        assert loader.dataset.epochs_seen == 1 and min(loader._queue) == (1, 0)
+        assert all(int(b[1][0]) == 0 for b in first) and int(loader[0][1][0]) == 1
 
 
 def test_different_seeds_give_different_orders():

@@ -132,7 +132,10 @@ def test_bad_batches_get_clear_errors(how, pattern, workers, no_leaks):
         (dict(workers=-1), ValueError, r"`workers` must be >= 0. Received: workers=-1. Use 0"),
         (dict(workers=2.5), TypeError, r"`workers` must be an integer. Received: workers=2.5"),
         (dict(max_queue_size=0), ValueError, r"`max_queue_size` must be >= 1. Received: max_queue_size=0"),
-        (dict(timeout=0), ValueError, r"`timeout` must be a positive number of seconds. Received: timeout=0"),
+        (dict(timeout=0), ValueError, r"`timeout` must be a positive number of seconds, or None for no timeout. Received: timeout=0"),
+        (dict(timeout=float("nan")), ValueError, r"Received: timeout=nan"),
+        (dict(timeout=float("-inf")), ValueError, r"Received: timeout=-inf"),
+        (dict(timeout="10"), ValueError, r"Received: timeout='10'"),
         (dict(start_method="thread"), ValueError, r"start_method=.thread."),
         (dict(num_shards=2), ValueError, r"Pass both `num_shards` and `shard_index`"),
         (dict(num_shards=2, shard_index=2), ValueError, r"shard_index=2, num_shards=2"),
@@ -144,10 +147,31 @@ def test_bad_arguments(kwargs, error, pattern):
         kpipe.ProcessLoader(Squares(), **kwargs)
 
 
+@pytest.mark.parametrize("timeout", [None, float("inf")])
+def test_no_timeout(timeout, no_leaks):
+    with kpipe.ProcessLoader(Squares(n=3), workers=1, timeout=timeout) as loader:
+        assert loader.timeout is None
+        assert [int(loader[i][0][0, 0]) for i in range(3)] == [0, 10, 20]
+
+
+class _LenRaises:
+    def __len__(self):
+        raise RuntimeError("index file missing")
+
+    def __getitem__(self, i):
+        return np.zeros(1)
+
+
 def test_bad_datasets():
+    for bad in ("train.h5", b"x", {0: 1}):
+        with pytest.raises(TypeError, match=rf"`dataset` must have __getitem__\(i\).*Received: .* of type {type(bad).__name__}"):
+            kpipe.ProcessLoader(bad, workers=0)
+    with pytest.raises(kpipe.LoaderError, match=r"len\(\) of `_LenRaises` raised RuntimeError: index file missing") as info:
+        kpipe.ProcessLoader(_LenRaises(), workers=0)
+    assert isinstance(info.value.__cause__, RuntimeError)
     with pytest.raises(ValueError, match=r"`Squares` is empty: it has 0 batches"):
         kpipe.ProcessLoader(Squares(n=0), workers=2)
-    with pytest.raises(TypeError, match=r"must have __getitem__ and __len__.*Received: generator"):
+    with pytest.raises(TypeError, match=r"must have __getitem__\(i\) returning batch i and __len__.*Received: <generator.* of type generator"):
         kpipe.ProcessLoader((i for i in range(3)), workers=2)
     from _datasets import Infinite
 

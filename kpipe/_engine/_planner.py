@@ -1,19 +1,23 @@
-"""Epoch plans: which dataset batch index comes at each position of an epoch.
+"""Pass plans: which dataset batch index comes at each position of a pass.
 
-Plans depend only on `(seed, epoch, num_shards, shard_index)` -- never on the number of
-workers -- so the same seed yields the same batches whatever `workers` is.
+A *pass* is one trip through every batch of the dataset (of this shard). Plans depend only
+on `(seed, pass, num_batches, num_shards, shard_index)` -- never on the number of workers
+-- so the same seed yields the same batches whatever `workers` is.
 """
 
 import numpy as np
 
 
 class EpochPlanner:
-    """Orders (and shards) the batch indices of each epoch. Cheap; not thread-safe.
+    """Orders (and shards) the batch indices of each pass. Cheap; not thread-safe.
 
-    With `num_shards=W`, shard `w` gets positions `w, w+W, w+2W, ...` of the epoch's
+    With `num_shards=W`, shard `w` gets positions `w, w+W, w+2W, ...` of the pass's
     (shuffled) order, truncated to `n // W` so every shard runs the same number of steps,
     as synchronous data parallelism requires; the `n % W` left-over batches rotate with the
-    shuffle, so over epochs every batch is used.
+    shuffle, so over passes every batch is used.
+
+    `num_batches` is the dataset's length; a dataset whose length changes between passes
+    (bucketing, curriculum) passes the new length to `plan`/`index`/`length`.
     """
 
     def __init__(self, num_batches, *, shuffle=False, seed=None, num_shards=1, shard_index=0):
@@ -24,27 +28,28 @@ class EpochPlanner:
         self.shard_index = shard_index
         self._cache = (None, None)
 
-    @property
-    def length(self):
-        """Batches per epoch for this shard, or None when the dataset is infinite."""
-        if self.num_batches is None:
+    def length(self, num_batches=None):
+        """Batches per pass for this shard, or None when the dataset is infinite."""
+        n = self.num_batches if num_batches is None else num_batches
+        if n is None:
             return None
-        return self.num_batches // self.num_shards if self.num_shards > 1 else self.num_batches
+        return n // self.num_shards if self.num_shards > 1 else n
 
-    def plan(self, epoch):
-        """The dataset indices of this shard for `epoch`, in order (finite datasets)."""
-        if self._cache[0] == epoch:
+    def plan(self, epoch, num_batches=None):
+        """The dataset indices of this shard for pass `epoch`, in order (finite datasets)."""
+        n = self.num_batches if num_batches is None else num_batches
+        if self._cache[0] == (epoch, n):
             return self._cache[1]
-        n = self.num_batches
         order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
         if self.num_shards > 1:
-            order = order[: self.length * self.num_shards][self.shard_index :: self.num_shards]
+            order = order[: self.length(n) * self.num_shards][self.shard_index :: self.num_shards]
         plan = order.tolist()
-        self._cache = (epoch, plan)
+        self._cache = ((epoch, n), plan)
         return plan
 
-    def index(self, epoch, position):
-        """Dataset index at `position` of `epoch`."""
-        if self.num_batches is None:
+    def index(self, epoch, position, num_batches=None):
+        """Dataset index at `position` of pass `epoch`."""
+        n = self.num_batches if num_batches is None else num_batches
+        if n is None:
             return position * self.num_shards + self.shard_index
-        return self.plan(epoch)[position]
+        return self.plan(epoch, n)[position]

@@ -323,7 +323,8 @@ def _describe_input(frame):
         adapter = getattr(epoch_iterator, "data_adapter", None)
         dataset = getattr(adapter, "py_dataset", None)
         if dataset is not None:
-            if type(dataset).__name__ == "ProcessLoader" and "kpipe" in type(dataset).__module__:
+            kind = dataset.__class__  # (kpipe's adapter holds a ProcessLoader by weak proxy)
+            if kind.__name__ == "ProcessLoader" and "kpipe" in kind.__module__:
                 return ("process_loader", getattr(dataset, "num_workers", None))
             return ("pydataset", getattr(dataset, "workers", None))
         if type(adapter).__name__ == "TFDatasetAdapter":

@@ -39,7 +39,8 @@ def make_loader(kpipe, x, y, num_workers, shard_index=None):
 
 
 def global_batches(keras, loaders):
-    """One PyDataset whose batch k concatenates batch k of every shard's loader."""
+    """One PyDataset whose batch k concatenates batch k of every shard's loader (each
+    loader moves to its next pass when its last batch is read, as under fit())."""
 
     class _Global(keras.utils.PyDataset):
         def __len__(self):
@@ -49,9 +50,6 @@ def global_batches(keras, loaders):
             parts = [loader[k] for loader in loaders]
             return tuple(np.concatenate(p) for p in zip(*parts))
 
-        def on_epoch_end(self):
-            for loader in loaders:
-                loader.on_epoch_end()
 
     return _Global()
 

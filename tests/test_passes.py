@@ -1,0 +1,274 @@
+"""Every sample once per pass: what fit()/evaluate()/predict() consume from a ProcessLoader,
+compared with plain Keras on the same dataset, and what the workers load to get there."""
+
+import gc
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kpipe
+from _keras_datasets import BatchIds, GrowingIds, ReplacingIds
+from conftest import kpipe_children
+from kpipe._engine._planner import EpochPlanner
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+SEEN = []
+
+
+def _record(ids):
+    SEEN.extend(int(v) for v in ids.numpy())
+    return np.int32(0)
+
+
+class Recorder(keras.Model):
+    """Records the id of every batch its compiled train/test step consumes."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        tf.py_function(_record, [data[0][0, 0:1]], tf.int32)
+        return super().train_step(data)
+
+    def test_step(self, data):
+        tf.py_function(_record, [data[0][0, 0:1]], tf.int32)
+        return super().test_step(data)
+
+
+def new_model(strategy=None):
+    with strategy.scope() if strategy is not None else _nullcontext():
+        model = Recorder()
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def consumed(call, *args, **kwargs):
+    """Ids consumed by `call(*args, **kwargs)` and the warnings it raised."""
+    SEEN.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call(*args, verbose=0, **kwargs)
+    return list(SEEN), [str(w.message) for w in caught]
+
+
+def planned(n, count, shuffle, seed, start_pass=0):
+    """The first `count` ids of the loader's pass sequence."""
+    planner = EpochPlanner(n, shuffle=shuffle, seed=seed)
+    out, p = [], start_pass
+    while len(out) < count:
+        out += planner.plan(p)
+        p += 1
+    return out[:count]
+
+
+def loads(path):
+    try:
+        with open(path) as f:
+            return len(f.read().split())
+    except FileNotFoundError:
+        return 0
+
+
+_PLAIN_KERAS = {}  # steps_per_epoch -> ids plain Keras consumed (the same for every case)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "workers-2"])
+@pytest.mark.parametrize("shuffle", [False, True], ids=["ordered", "shuffled"])
+@pytest.mark.parametrize("steps", [None, 4, 5, 12, 13], ids=lambda s: f"steps_per_epoch={s}")
+def test_fit_consumes_whole_passes_with_the_steps_keras_takes(steps, shuffle, workers, tmp_path, no_leaks):
+    n, epochs = 12, 5
+    if steps not in _PLAIN_KERAS:
+        _PLAIN_KERAS[steps] = consumed(new_model().fit, BatchIds(n), epochs=epochs, steps_per_epoch=steps, shuffle=False)[0]
+    keras_ids = _PLAIN_KERAS[steps]
+    log = tmp_path / "loads"
+    with kpipe.ProcessLoader(BatchIds(n, log=str(log)), workers=workers, shuffle=shuffle, seed=0) as loader:
+        ids, _ = consumed(new_model().fit, loader, epochs=epochs, steps_per_epoch=steps)
+        stats = loader.stats()
+    assert len(ids) == len(keras_ids)  # the same number of steps as plain Keras
+    assert ids == planned(n, len(ids), shuffle, seed=0)  # passes in plan order, none cut
+    if not shuffle:
+        assert ids == keras_ids
+    assert len(ids) // n <= stats["passes"] <= -(-len(ids) // n)  # read-ahead may end the last
+    # Keras's 2 tensor-spec reads are served from the batches loaded for training; what
+    # is left is read-ahead that cannot know training ended.
+    assert len(ids) <= loads(log) <= len(ids) + 2 + 2 * max(workers, 2)
+
+
+def test_fit_with_threads_and_a_stateful_dataset_keeps_whole_passes(tmp_path, no_leaks):
+    n = 12
+    with kpipe.ProcessLoader(ReplacingIds(n, log=str(tmp_path / "loads")), workers=2, use_threads=True) as loader:
+        ids, _ = consumed(new_model().fit, loader, epochs=6, steps_per_epoch=5)
+        ends = loader.dataset.ends
+    # each pass uses one `order`, replaced by the dataset's on_epoch_end at the pass's end
+    assert len(ids) == 5 + 5 + 2 + 5 + 5 + 2
+    passes = [ids[i : i + n] for i in range(0, len(ids), n)]
+    assert all(sorted(p) == list(range(n)) for p in passes)
+    assert ends == 2  # after each pass, not after each of the 6 Keras epochs
+    # plain Keras calls on_epoch_end after every Keras epoch, mid-pass: batches repeat
+    plain = ReplacingIds(n)
+    keras_ids, _ = consumed(new_model().fit, plain, epochs=6, steps_per_epoch=5, shuffle=False)
+    assert plain.ends == 7 and sorted(keras_ids[:n]) != list(range(n))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("steps", [None, 1], ids=lambda s: f"steps_per_epoch={s}")
+def test_reads_for_the_tensor_spec_and_the_strategy_build_consume_nothing(n, steps, tmp_path, no_leaks):
+    # Under a strategy Keras pulls batches from a throwaway iterator to build the model,
+    # after reading two for the tensor spec; with 1-2 batches per pass that is all of it.
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    log = tmp_path / "loads"
+    epochs = 4
+    with kpipe.ProcessLoader(BatchIds(n, log=str(log)), workers=2, shuffle=True, seed=5) as loader:
+        ids, _ = consumed(new_model(strategy).fit, loader, epochs=epochs, steps_per_epoch=steps)
+    total = epochs * (steps or n)
+    assert ids == planned(n, total, True, seed=5)
+    assert loads(log) <= total + 2 + 4
+
+
+@pytest.mark.parametrize("val_steps", [None, 2, 3])
+def test_validation_and_evaluate_consume_what_plain_keras_does(val_steps, tmp_path, no_leaks):
+    n = 5
+    plain = new_model()
+    SEEN.clear()
+    history = plain.fit(BatchIds(8), validation_data=BatchIds(n), validation_steps=val_steps, epochs=3, verbose=0, shuffle=False)
+    keras_ids = list(SEEN)
+    log = tmp_path / "loads"
+    with kpipe.ProcessLoader(BatchIds(8), workers=2) as train, kpipe.ProcessLoader(BatchIds(n, log=str(log)), workers=2) as val:
+        SEEN.clear()
+        new_model().fit(train, validation_data=val, validation_steps=val_steps, epochs=3, verbose=0)
+        ids = list(SEEN)
+        assert ids == keras_ids
+        # Each validation run reads at most a pass, plus Keras's spec reads and read-ahead
+        # (tf.data prefetches past `validation_steps`; the next run starts again at 0).
+        if val_steps is None:
+            assert loads(log) <= 3 * n + 2 + 4
+        assert loads(log) <= 3 * (n + 2 + 4)
+        before = loads(log)
+        eval_ids, _ = consumed(new_model().evaluate, val, steps=val_steps)
+        keras_eval, _ = consumed(new_model().evaluate, BatchIds(n), steps=val_steps)
+        assert eval_ids == keras_eval
+        assert loads(log) - before <= n + 2 + 4
+    assert len(history.history["val_loss"]) == 3
+
+
+def test_infinite_loader_continues_across_epochs_like_keras(no_leaks):
+    from _keras_datasets import InfiniteClasses  # noqa: F401  (module import for workers)
+
+    class Counting(BatchIds):
+        @property
+        def num_batches(self):
+            return None
+
+    keras_ids, _ = consumed(new_model().fit, Counting(), epochs=3, steps_per_epoch=5, shuffle=False)
+    with kpipe.ProcessLoader(Counting(), workers=2) as loader:
+        ids, _ = consumed(new_model().fit, loader, epochs=3, steps_per_epoch=5)
+    assert ids == keras_ids == list(range(15))
+
+
+def test_as_dataset_declares_cardinality_and_feeds_whole_passes(no_leaks):
+    n = 6
+    with kpipe.ProcessLoader(BatchIds(n), workers=2, shuffle=True, seed=1) as loader:
+        ds = loader.as_dataset()
+        assert int(ds.cardinality()) == n
+        assert ds.element_spec[0].shape.as_list() == [None, 3]
+        ids, caught = consumed(new_model().fit, ds, epochs=3)
+        assert ids == planned(n, 3 * n, True, seed=1)
+        assert not [w for w in caught if "ran out of data" in w]
+    with kpipe.ProcessLoader(ReplacingIds(n), workers=0) as loader:
+        assert int(loader.as_dataset().cardinality()) == tf.data.UNKNOWN_CARDINALITY
+
+
+@pytest.mark.parametrize("kw", [dict(workers=0), dict(workers=2)], ids=["inline", "workers-2"])
+def test_a_length_changed_in_on_epoch_end_is_followed_at_the_next_pass(kw, no_leaks):
+    with kpipe.ProcessLoader(GrowingIds(4), **kw) as loader:
+        lengths = []
+        for _ in range(3):
+            lengths.append(len(loader))
+            ids = [int(loader[i][0][0, 0]) for i in range(len(loader))]
+            assert ids == list(range(lengths[-1]))
+        assert lengths == [4, 6, 8] and loader.dataset.ends == 3
+        ds = loader.as_dataset()
+        assert [len(list(ds)) for _ in range(2)] == [10, 12]
+
+
+def test_manual_loops_and_on_epoch_end(no_leaks):
+    with kpipe.ProcessLoader(BatchIds(6), workers=2, shuffle=True, seed=2) as loader:
+        first = [int(loader[i][0][0, 0]) for i in range(6)]
+        loader.on_epoch_end()  # after a whole pass: nothing more to end
+        second = [int(loader[i][0][0, 0]) for i in range(3)]
+        loader.on_epoch_end()  # ends pass 1 early, as a loop cut short expects
+        third = [int(loader[i][0][0, 0]) for i in range(6)]
+        assert first + second + third == planned(6, 6, True, 2) + planned(6, 3, True, 2, 1) + planned(6, 6, True, 2, 2)
+        assert loader.stats()["passes"] == 3
+
+
+@pytest.mark.parametrize("after", [0, 4, 9])
+def test_state_restores_exactly_with_another_worker_count(after, no_leaks):
+    n = 6
+    with kpipe.ProcessLoader(BatchIds(n), workers=2, shuffle=True, seed=3) as a:
+        for i in range(after):  # a manual loop over passes: index 0 again after each
+            a[i % n]
+        state = a.state()
+        assert [int(a[i][0][0, 0]) for i in range(2)] == planned(n, after + 2, True, 3)[after // n * n :][:2]
+    import json
+
+    rest = planned(n, after + n, True, 3)[after:]  # what an uninterrupted reader gets next
+
+    state = json.loads(json.dumps(state))
+    assert state["pass"] == after // n and state["position"] == after % n
+    with kpipe.ProcessLoader(BatchIds(n), workers=1, shuffle=True, seed=3) as b:
+        b.restore(state)
+        assert [int(b[i][0][0, 0]) for i in range(n)] == rest
+    with kpipe.ProcessLoader(BatchIds(n), workers=0, shuffle=True, seed=3) as c:
+        c.restore(state)
+        got = [int(x[0, 0]) for x, _ in c.as_dataset()]
+        assert got == rest[: n - after % n]
+
+
+def test_restore_refuses_a_state_of_other_data(no_leaks):
+    with kpipe.ProcessLoader(BatchIds(6), workers=0, shuffle=True, seed=3) as loader:
+        state = loader.state()
+        for change, match in [
+            (dict(num_batches=7), "dataset of 7 batches"),
+            (dict(seed=4), "seed=4"),
+            (dict(num_shards=2), "num_shards=2"),
+            (dict(format=99), "newer kpipe"),
+            (dict(format=0), "format 0"),
+            (dict(position=6), "out of range"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                loader.restore(dict(state, **change))
+        with pytest.raises(ValueError, match="lacks the entry 'pass'"):
+            loader.restore({k: v for k, v in state.items() if k != "pass"})
+        with pytest.raises(ValueError, match="must be a dict"):
+            loader.restore("pass 0")
+
+
+@pytest.mark.slow
+def test_loaders_dropped_after_fit_and_evaluate_leave_no_process(tmp_path):
+    before = {p.pid for p in kpipe_children()}
+    model = new_model()
+    for _ in range(10):
+        model.fit(kpipe.ProcessLoader(BatchIds(4), workers=2), epochs=1, verbose=0,
+                  validation_data=kpipe.ProcessLoader(BatchIds(2), workers=1))
+        model.evaluate(kpipe.ProcessLoader(BatchIds(3), workers=2), verbose=0)
+        model.predict(kpipe.ProcessLoader(BatchIds(3), workers=1), verbose=0)
+    gc.collect()
+    left = [p for p in kpipe_children() if p.pid not in before]
+    assert not left, f"{len(left)} processes outlived their loaders"
