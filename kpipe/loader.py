@@ -37,14 +37,28 @@ class ProcessLoader(keras.utils.PyDataset):
     `validation_data` take it unchanged. It orders its own batches (see `shuffle`):
     Keras's `fit(shuffle=...)` does not reorder a `ProcessLoader`.
 
+    Passes, not Keras epochs: the loader serves a sequence of *passes*, each every batch
+    once in that pass's order, and whatever `steps_per_epoch`, `epochs` or `workers`,
+    `fit()` consumes that sequence as it is -- the same number of steps as plain Keras,
+    each pass whole. A pass ends when its last batch is handed out; the next read starts
+    the next pass (`epoch` counts them). Keras ends its epochs mid-pass when
+    `steps_per_epoch < len`, so its epoch ends are not passed on; reads Keras makes only
+    to learn the tensor spec or build the model consume nothing. A new `fit()` (or
+    `evaluate()`) that starts while a pass is half read starts that pass again, as plain
+    Keras restarts at batch 0. `state()`/`restore()` save and resume the exact position
+    (`kpipe.callbacks.BackupAndRestore(save_freq=N)` does it for `fit()`). Details: the
+    NOTE in `kpipe/_engine/_cursor.py`.
+
     Args:
         dataset: Anything with `__getitem__(i)` and `__len__()` (or a `num_batches`
             property, which may be `None` for an infinite dataset used with
             `steps_per_epoch`). `__getitem__` returns a NumPy array, a tuple
             `(x, y)` / `(x, y, sample_weight)`, a dict, or a nesting of these, with
             numeric or bool leaves; shapes may vary between batches. The dataset's
-            `on_epoch_end()` runs in this process and its new state reaches the
-            workers before the next epoch's first batch. It is sent to workers with
+            `on_epoch_begin()` runs here before each pass is loaded and its
+            `on_epoch_end()` right after the last batch of each pass is handed out (not
+            at Keras's epoch ends); its new state -- and new length, if `len()` changed
+            -- reaches the workers before the next pass's first batch. It is sent to workers with
             cloudpickle (classes from `__main__` or a notebook work); its NumPy arrays
             of 1 MiB or more are shared, not copied, and read-only in workers.
         workers: Worker processes (or threads with `use_threads=True`). 0 loads
@@ -57,7 +71,7 @@ class ProcessLoader(keras.utils.PyDataset):
         max_queue_bytes: Also bound the bytes loaded ahead: fewer batches are queued
             when the last batch times the queue length would exceed it (at least one
             batch per worker stays in flight). Defaults to None (batches only).
-        shuffle: Permute the batch order every epoch, from `(seed, epoch)` only: the
+        shuffle: Permute the batch order every pass, from `(seed, pass)` only: the
             same seed gives the same batches whatever `workers` is. Defaults to False.
         seed: Seed of the shuffle and of the workers' `random`/`numpy.random` (each
             worker gets a seed derived from `(seed, worker id)`, see
@@ -72,11 +86,11 @@ class ProcessLoader(keras.utils.PyDataset):
         use_threads: Use `workers` threads instead of processes: for I/O-bound
             `__getitem__` that releases the GIL (file reads, decoding in C). Defaults
             to False.
-        timeout: Seconds to wait for one batch before raising `BatchTimeoutError`.
-            Defaults to 120.
-        num_shards: Split each epoch's batches into this many shards (one per
+        timeout: Seconds to wait for one batch before raising `BatchTimeoutError`;
+            None (or `float("inf")`) waits as long as it takes. Defaults to 120.
+        num_shards: Split each pass's batches into this many shards (one per
             data-parallel worker); the loader loads only shard `shard_index`: positions
-            `shard_index, shard_index + num_shards, ...` of the epoch's order,
+            `shard_index, shard_index + num_shards, ...` of the pass's order,
             `n // num_shards` of them, so every worker runs the same number of steps.
             Defaults to None: under a multi-worker `TF_CONFIG`, one shard per worker
             (`kpipe.distribute.default_shard()`), else no sharding. Pass 1 to load
@@ -86,11 +100,14 @@ class ProcessLoader(keras.utils.PyDataset):
 
     Raises:
         ValueError: for invalid arguments or an empty dataset.
-        TypeError: if `dataset` has no `__getitem__`/length.
+        TypeError: if `dataset` has no `__getitem__`/length (a str, a dict, a generator).
+        kpipe.LoaderError: if the dataset's `len()` raises.
         kpipe.DatasetPicklingError: if the dataset cannot be sent to workers.
 
-    The loader is not thread-safe for concurrent `__getitem__` calls from several
-    threads (Keras calls it from one); it must not be shared across processes.
+    Its methods may be called from several threads (Keras reads it from tf.data's
+    threads); it must not be shared across processes. Workers stop on `close()`, at the
+    end of a `with` block, or when the loader is garbage collected -- also after `fit()`
+    (Keras's traced graphs hold it only weakly).
 
     Example:
 
@@ -582,7 +599,7 @@ class ProcessLoader(keras.utils.PyDataset):
             key = after if after is not None else self._cursor.direct_position()
         else:
             key = self._cursor.successor(last, cross_passes=not self._stateful)
-        if key is None or key[0] > self._cursor.head[0] + 1:
+        if key is None or key[0] > self._cursor.read_ahead_limit():
             return None
         return max(key, self._cursor.head)
 

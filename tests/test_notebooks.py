@@ -46,3 +46,35 @@ def test_notebook_runs_top_to_bottom_in_a_kernel(path, tmp_path, monkeypatch):
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
     printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
     assert os.path.realpath(json.loads(printed)) == os.path.realpath(sys.executable)
+
+
+_RERUN_SETUP = '''
+import keras, numpy as np, psutil, gc, kpipe
+
+class Cell(keras.utils.PyDataset):  # defined in a cell, as users do
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return np.full((8, 3), i, "float32"), np.zeros((8, 1), "float32")
+
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+'''
+_RERUN_CELL = "model.fit(kpipe.ProcessLoader(Cell(), workers=2), epochs=1, verbose=0)"
+_COUNT_CELL = '''gc.collect()
+print(len([p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]))'''
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rerunning_a_fit_cell_leaves_no_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    cells = [_RERUN_SETUP] + [_RERUN_CELL] * 10 + [_COUNT_CELL]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = NotebookClient(nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
+    assert int(printed) == 0, f"{printed.strip()} processes left after 10 runs of a fit cell"

@@ -2,6 +2,10 @@
 compared with plain Keras on the same dataset, and what the workers load to get there."""
 
 import gc
+import json
+import os
+import signal
+import sys
 import warnings
 
 import keras
@@ -12,6 +16,8 @@ import tensorflow as tf
 import kpipe
 from _keras_datasets import BatchIds, GrowingIds, ReplacingIds
 from conftest import kpipe_children
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs"))
 from kpipe._engine._planner import EpochPlanner
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -272,3 +278,99 @@ def test_loaders_dropped_after_fit_and_evaluate_leave_no_process(tmp_path):
     gc.collect()
     left = [p for p in kpipe_children() if p.pid not in before]
     assert not left, f"{len(left)} processes outlived their loaders"
+
+
+# ------------------------------------------------------------ 2 workers on loopback
+_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs", "passes_train.py")
+_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                    os.environ.get("PYTHONPATH")])),
+        "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def _launch(out, *args, expect=0):
+    import io
+
+    from kpipe.distribute import launch
+
+    command = [sys.executable, _PROGRAM, "--out", str(out), *args]
+    result = launch(command, workers=2, env=_ENV, output=io.StringIO(), timeout_s=180)
+    if result.returncode != expect and "address already in use" in "".join(result.tails).lower():
+        result = launch(command, workers=2, env=_ENV, output=io.StringIO(), timeout_s=180)
+    assert result.returncode == expect, "\n".join([f"launch returned {result.returncode}"] + list(result.tails))
+    records = []
+    for i in range(2):
+        path = out / f"worker{i}.json"
+        records.append(json.loads(path.read_text()) if path.exists() else None)
+    return records
+
+
+def _keras_steps(n, steps_per_epoch, epochs):
+    """Steps Keras 3 takes on an n-batch PyDataset: with steps_per_epoch, an epoch also
+    ends where a pass ends (keras/src/trainers/epoch_iterator.py)."""
+    if not steps_per_epoch:
+        return n * epochs
+    seen = total = 0
+    for _ in range(epochs):
+        for _ in range(steps_per_epoch):
+            if seen >= n:
+                break
+            seen += 1
+            total += 1
+        if seen >= n:
+            seen = 0
+    return total
+
+
+def test_keras_step_count_model_matches_keras():
+    for steps in (4, 5, 12, 13):
+        assert len(_PLAIN_KERAS.get(steps) or consumed(new_model().fit, BatchIds(12), epochs=5, steps_per_epoch=steps,
+                                                       shuffle=False)[0]) == _keras_steps(12, steps, 5)
+
+
+def _weights(out, i):
+    with np.load(out / f"worker{i}.npz") as f:
+        return [f[k] for k in sorted(f.files)]
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("steps", [None, 3])
+def test_two_worker_job_consumes_each_shard_in_whole_passes(steps, tmp_path):
+    from passes_train import N_BATCHES, SEED
+
+    epochs = 3
+    records = _launch(tmp_path, "--epochs", str(epochs), "--validation",
+                      *(["--steps-per-epoch", str(steps)] if steps else []))
+    shard_len = N_BATCHES // 2
+    total = _keras_steps(shard_len, steps, epochs)
+    for w, record in enumerate(records):
+        assert record["shard"] == [2, w] and record["num_batches"] == shard_len
+        planner = EpochPlanner(N_BATCHES, shuffle=True, seed=SEED, num_shards=2, shard_index=w)
+        want = [i for p in range(4) for i in planner.plan(p)][:total]
+        assert record["ids"] == want
+        assert total <= record["train_loads"] <= total + 2 + 4
+        assert record["val_loads"] <= epochs * 2 + 2 + 2  # 2-batch validation shard, 3 runs
+    # the shards of each pass are disjoint and cover all but the batches sharding drops
+    first = records[0]["ids"][:shard_len] + records[1]["ids"][:shard_len]
+    assert len(set(first)) == 2 * shard_len
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_two_worker_job_killed_mid_epoch_resumes_exactly_with_other_loader_workers(tmp_path):
+    common = ["--epochs", "3", "--steps-per-epoch", "5", "--save-freq", "4", "--backup", str(tmp_path / "backup")]
+    reference = _launch(tmp_path / "reference", *common)
+    # worker 1 is SIGKILLed after 10 steps (saves at 4 and 8); the launcher stops worker 0
+    _launch(tmp_path / "killed", *common, "--kill-at-step", "10", expect=128 + signal.SIGKILL)
+    killed = json.loads((tmp_path / "killed" / "worker1.killed.json").read_text())
+    assert killed["ids"] == reference[1]["ids"][:10]
+    resumed = _launch(tmp_path / "resumed", *common, "--loader-workers", "1")
+    for w in range(2):
+        assert resumed[w]["restored_step"] == 8
+        assert resumed[w]["ids"] == reference[w]["ids"][8:]  # the batches after step 8, once
+        assert resumed[w]["iterations"] == reference[w]["iterations"]
+        for got, want in zip(_weights(tmp_path / "resumed", w), _weights(tmp_path / "reference", w)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").rglob("metadata.json"))

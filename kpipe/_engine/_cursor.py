@@ -103,6 +103,11 @@ class PassCursor:
             pos -= n
             pass_ += 1
 
+    def read_ahead_limit(self):
+        """The last pass worth loading now: the head's, and the next one only once the
+        head's pass is being read (tiny passes must not fill the queue two passes ahead)."""
+        return self.head[0] + 1 if self._handed_in_pass else self.head[0]
+
     # ------------------------------------------------------------------ streams
     @property
     def probing(self):
