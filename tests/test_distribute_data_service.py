@@ -44,13 +44,13 @@ def test_dispatcher_and_two_workers_feed_fit(tmp_path, no_leaks):
     try:
         dispatcher = _start(tmp_path, "dispatcher", "dispatcher")
         servers.append(dispatcher)
-        line = _wait_for_line(tmp_path, "dispatcher", dispatcher, "dispatcher listening on ")
+        line = _wait_for_line(tmp_path, "dispatcher", dispatcher, "dispatcher ready at ")
         address = line.rsplit(" ", 1)[1]
         assert address.startswith("127.0.0.1:")
         for i in range(2):
             servers.append(_start(tmp_path, f"worker{i}", "worker", "--dispatcher", address))
         for i in range(2):
-            _wait_for_line(tmp_path, f"worker{i}", servers[i + 1], "worker listening on 127.0.0.1:")
+            _wait_for_line(tmp_path, f"worker{i}", servers[i + 1], "worker ready at 127.0.0.1:")
 
         out = tmp_path / "fit.json"
         trainer = subprocess.run([sys.executable, os.path.join(PROGRAMS, "ds_fit.py"), address,
