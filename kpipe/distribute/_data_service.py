@@ -21,7 +21,8 @@ import os
 import warnings
 from typing import Optional
 
-from kpipe.distribute._launcher import OpenPortsWarning, open_ports_message, wildcard_listeners
+from kpipe.distribute._launcher import (OpenPortsWarning, open_ports_message, outside_interfaces,
+                                        wildcard_listeners)
 
 _PROCESSING_MODES = ("parallel_epochs", "distributed_epoch")
 
@@ -109,7 +110,10 @@ def start_worker(dispatcher: str, port: int = 0, *, host: str = "127.0.0.1"):
 def _warn_if_open(what: str, port: int, host: str = "127.0.0.1") -> None:
     """Issues an `OpenPortsWarning` if this process listens on `port` on every interface."""
     if any(p == port for _, _, p in wildcard_listeners([os.getpid()])):
-        warnings.warn(OpenPortsWarning(open_ports_message(what, [port], host)), stacklevel=3)
+        interfaces = outside_interfaces()
+        if interfaces:
+            warnings.warn(OpenPortsWarning(open_ports_message(what, [port], host, interfaces)),
+                          stacklevel=3)
 
 
 def via_data_service(dataset, service: str, *, processing_mode: str = "distributed_epoch",

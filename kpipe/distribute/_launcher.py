@@ -36,7 +36,8 @@ The tf.data service servers do the same (`GrpcDataServerBase::Start` in
 tensorflow/core/data/service/server_lib.cc), and the servers accept any graph,
 unauthenticated. So `host` cannot fence a job in; the supervise loop looks at the
 listening sockets of each worker's process tree (psutil, every `_PORT_CHECK_S`) and warns
-once, with an `OpenPortsWarning` naming the ports, when one listens on a wildcard address.
+once, with an `OpenPortsWarning` naming the ports, when one listens on a wildcard address
+while the network namespace has an interface besides loopback (`outside_interfaces`).
 """
 
 import collections
@@ -133,11 +134,37 @@ def wildcard_listeners(pids: Iterable[int]) -> List[Tuple[int, str, int]]:
     return sorted(found)
 
 
-def open_ports_message(what: str, ports: Sequence[int], host: str) -> str:
+def outside_interfaces() -> List[str]:
+    """Names of this network namespace's interfaces with a non-loopback address.
+
+    Empty inside a namespace that has only `lo` (e.g. `unshare --net`, `docker run
+    --network none`): there a wildcard listener is reachable from this host alone.
+    """
+    import ipaddress
+
+    import psutil
+
+    names = []
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                if not ipaddress.ip_address(address.address.split("%")[0]).is_loopback:
+                    names.append(name)
+                    break
+            except ValueError:
+                continue
+    return sorted(names)
+
+
+def open_ports_message(what: str, ports: Sequence[int], host: str,
+                       interfaces: Optional[Sequence[str]] = None) -> str:
     """The one-line `OpenPortsWarning` text for `what` (e.g. "worker 0") on `ports`."""
     listed = ", ".join(f"*:{p}" for p in sorted(set(ports)))
     verb = "listen" if what.startswith("workers ") else "listens"
-    return (f"{what} {verb} on {listed}, on every network interface, not only on {host}: "
+    named = f" ({', '.join(interfaces)})" if interfaces else ""
+    return (f"{what} {verb} on {listed}, on every network interface{named}, not only on {host}: "
             "TensorFlow's gRPC servers cannot bind one address, and they run any graph sent "
             "to them without authentication. Block these ports from other hosts (firewall, "
             "private network; README: Security).")
@@ -277,8 +304,8 @@ def launch(
 
     `host` is only the address written into `TF_CONFIG`: TensorFlow's gRPC server listens
     on every interface whatever it is (see NOTE [ Open ports ]). When a worker's process
-    tree listens on a wildcard address, an `OpenPortsWarning` naming the ports is issued
-    once per call.
+    tree listens on a wildcard address and the host has a network interface besides
+    loopback, an `OpenPortsWarning` naming the ports is issued once per call.
 
     Args:
         command: The program and its arguments, e.g. `[sys.executable, "train.py"]`.
@@ -442,10 +469,14 @@ class _Job:
         if len(found) < len(alive) and now - self._ports_first_seen < _PORT_SETTLE_S:
             return
         host, self._watch_host = self._watch_host, None
+        interfaces = outside_interfaces()
+        if not interfaces:  # a loopback-only network namespace: nothing is exposed
+            return
         workers = sorted(found)
         what = ("worker " if len(workers) == 1 else "workers ") + ", ".join(map(str, workers))
         ports = [port for i in workers for _, _, port in found[i]]
-        warnings.warn(OpenPortsWarning(open_ports_message(what, ports, host)), stacklevel=4)
+        warnings.warn(OpenPortsWarning(open_ports_message(what, ports, host, interfaces)),
+                      stacklevel=4)
 
     def _signal_all(self, signum: int) -> None:
         for proc in self.procs:
