@@ -100,8 +100,9 @@ def filtered_stderr(drop: Callable[[str], bool]):
     """Routes file descriptor 2 through `drop` (lines it returns True for are discarded).
 
     Lines are forwarded to the real stderr by a thread as they arrive, so nothing waits
-    for the block to end and a crash inside it loses at most a partial line. Does
-    nothing when fd 2 cannot be duplicated.
+    for the block to end; a process that aborts inside the block can lose the last lines
+    not yet forwarded (`--verbose` runs without the filter). Does nothing when fd 2 cannot
+    be duplicated.
     """
     try:
         sys.stderr.flush()
@@ -115,7 +116,9 @@ def filtered_stderr(drop: Callable[[str], bool]):
         with os.fdopen(read_fd, "rb") as pipe:
             for raw in pipe:
                 if not drop(raw.decode("utf-8", errors="replace")):
-                    os.write(saved, raw)
+                    view = memoryview(raw)
+                    while view:
+                        view = view[os.write(saved, view):]
 
     thread = threading.Thread(target=forward, name="kpipe-stderr-filter", daemon=True)
     thread.start()
