@@ -3,6 +3,9 @@
 Each subcommand lives in `kpipe/_cli/<name>.py`, which defines `HELP` (one line),
 `add_arguments(parser)` and `run(args) -> int`. Modules are imported only when their
 subcommand runs, so `kpipe --help` and `kpipe launch` never import TensorFlow.
+
+TensorFlow's start-up log (CUDA, oneDNN, CPU-feature lines) is hidden unless `--verbose`
+(`kpipe --verbose demo` or `kpipe demo --verbose`) is given; see `kpipe/_cli/_quiet.py`.
 """
 
 import argparse
@@ -17,13 +20,21 @@ _SUBCOMMANDS = {
 }
 
 
+_VERBOSE_HELP = ("show TensorFlow's start-up log (CUDA, oneDNN, CPU-feature lines), which is "
+                 "hidden by default")
+
+
 def _build_parser(selected):
     parser = argparse.ArgumentParser(
         prog="kpipe", description="Keep accelerators busy: loaders, pipelines, data parallelism."
     )
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in _SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
+        # SUPPRESS: `kpipe --verbose demo` is not undone by the subcommand's default.
+        sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help=_VERBOSE_HELP)
         if name == selected:
             module = importlib.import_module(module_name)
             module.add_arguments(sp)

@@ -173,13 +173,21 @@ def test_readme_quickstart_is_the_two_commands_ci_and_these_tests_run():
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_installed_console_script_runs_the_demo(tmp_path):
-    """The README's first command ends in `.venv/bin/kpipe demo`: run that entry point."""
+    """The README's first command ends in `.venv/bin/kpipe demo`: run that entry point, as a
+    newcomer would (no TF_CPP_MIN_LOG_LEVEL): TensorFlow's start-up lines stay out of it."""
+    from kpipe._cli._quiet import is_startup_noise
+
     script = os.path.join(os.path.dirname(sys.executable), "kpipe")
     if not os.path.exists(script):
         pytest.skip("kpipe is not installed in this interpreter's environment (pip install -e .)")
+    env = _env(XDG_CACHE_HOME=str(tmp_path))
+    del env["TF_CPP_MIN_LOG_LEVEL"]
     proc = subprocess.run(
         [script, "demo", "--samples", "256", "--epochs", "1", "--workers", "2"],
-        cwd=tmp_path, env=_env(XDG_CACHE_HOME=str(tmp_path)), capture_output=True, text=True, timeout=230,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=230,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ProcessLoader(workers=2)" in proc.stdout and "input wait share" in proc.stdout
+    noise = [line for line in (proc.stdout + proc.stderr).splitlines() if is_startup_noise(line)]
+    assert noise == [], noise
+    assert proc.stdout.startswith("dataset: 256 images"), proc.stdout[:500]  # kpipe's words come first

@@ -1,6 +1,8 @@
 """kpipe.data.from_hdf5: coverage, sharding, block reads, compressed files, bad input."""
 
+import errno
 import gc
+import os
 import threading
 
 import h5py
@@ -8,9 +10,10 @@ import numpy as np
 import pytest
 
 import kpipe.data
-from kpipe.data._hdf5 import _Hdf5Reader
+from kpipe.data._hdf5 import _Hdf5Reader, open_hdf5
 from kpipe.data._source import source_of
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = 150  # per file; not a multiple of the chunk, so partial chunks are covered too
 
 
@@ -182,8 +185,59 @@ def test_files_must_agree_on_sample_shape(tmp_path):
         kpipe.data.from_hdf5([a, b], x="images")
 
 
-def test_not_an_hdf5_file(tmp_path):
+
+
+# -- why a file cannot be opened -------------------------------------------------------------
+
+def test_not_an_hdf5_file_is_told_apart_from_other_failures(tmp_path):
     path = tmp_path / "fake.h5"
     path.write_bytes(b"not hdf5")
-    with pytest.raises(ValueError, match="Cannot open .*fake.h5.* as an HDF5 file"):
+    with pytest.raises(ValueError, match=r"'.*fake.h5' is not an HDF5 file \(h5py: .*file signature not found"):
         kpipe.data.from_hdf5(str(path), x="images")
+
+
+def test_file_removed_after_the_dataset_was_made_names_the_file(files):
+    os.remove(files[1])
+    with pytest.raises(FileNotFoundError, match=r"HDF5 file '.*part1.h5' does not exist .*moved or deleted") as info:
+        open_hdf5(files[1])
+    assert info.value.errno == errno.ENOENT
+
+
+def test_file_locked_by_a_writer_says_so_and_how_to_proceed(files):
+    import subprocess
+    import sys
+
+    writer = subprocess.Popen(
+        [sys.executable, "-c", f"import h5py, sys, time; f = h5py.File({files[0]!r}, 'a'); "
+                               "print('open', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "open"
+        with pytest.raises(BlockingIOError, match=r"'.*part0.h5' is locked by another process.*Close the writer.*HDF5_USE_FILE_LOCKING=FALSE"):
+            kpipe.data.from_hdf5(files[0], x="images")
+    finally:
+        writer.stdin.close()
+        writer.wait(timeout=30)
+    assert kpipe.data.from_hdf5(files[0], x="images") is not None  # the writer closed: opens
+
+
+def test_unreadable_file_is_a_permission_error_naming_the_file(files):
+    """Run in a child without the capabilities that let root read anything."""
+    import shutil
+    import subprocess
+    import sys
+
+    os.chmod(files[0], 0)
+    code = ("import sys; from kpipe.data._hdf5 import open_hdf5\n"
+            f"try:\n    open_hdf5({files[0]!r})\n"
+            "except PermissionError as e:\n    print('PermissionError', e.errno, e)\n")
+    prefix = []
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv: root reads any file")
+        prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(prefix + [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"PermissionError {errno.EACCES} [Errno 13] Permission denied reading HDF5 file "), proc.stdout
+    assert "part0.h5" in proc.stdout and "read access" in proc.stdout

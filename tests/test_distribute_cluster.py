@@ -115,6 +115,18 @@ def test_parse_is_cached_until_the_variable_changes(tf_config):
     (_config({"worker": "h:1"}, {"type": "worker", "index": 0}), "must be a list"),
     (_config({"chief": ["a:1", "b:1"]}, {"type": "chief", "index": 0}), "at most one chief"),
     (_config(TWO_WORKERS, "worker"), "`task` must be an object"),
+    (_config({"worker": {"a": "h:1"}}, {"type": "worker", "index": 0}),
+     r"`cluster\['worker'\]` has the key 'a', which is not a task index"),
+    (_config({"worker": {"0": "h:1", "-1": "h:2"}}, {"type": "worker", "index": 0}),
+     r"has the key '-1', which is not a task index"),
+    (_config({"worker": {"0": "h:1", "00": "h:2"}}, {"type": "worker", "index": 0}),
+     r"names task 0 twice \(keys '0' and '00'\)"),
+    (_config({"worker": {"0": "h:1", "2": "h:2"}}, {"type": "worker", "index": 0}),
+     r"has task indices \[0, 2\] with 1 missing.*Number the 'worker' tasks 0 to 1"),
+    (_config({"worker": ["h:1", "h:2", "h:1"]}, {"type": "worker", "index": 0}),
+     r"tasks worker 0 and worker 2 both have the address 'h:1'.*its own host:port"),
+    (_config({"chief": ["h:1"], "worker": ["h:1"]}, {"type": "worker", "index": 0}),
+     r"tasks chief 0 and worker 0 both have the address 'h:1'"),
 ])
 def test_malformed_tf_config_errors_quote_the_value(tf_config, raw, match):
     tf_config(raw)

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from kpipe.distribute._launcher import wildcard_listeners
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(ROOT, "tests", "programs")
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -44,13 +46,21 @@ def test_dispatcher_and_two_workers_feed_fit(tmp_path, no_leaks):
     try:
         dispatcher = _start(tmp_path, "dispatcher", "dispatcher")
         servers.append(dispatcher)
-        line = _wait_for_line(tmp_path, "dispatcher", dispatcher, "dispatcher listening on ")
+        line = _wait_for_line(tmp_path, "dispatcher", dispatcher, "dispatcher ready at ")
         address = line.rsplit(" ", 1)[1]
         assert address.startswith("127.0.0.1:")
         for i in range(2):
             servers.append(_start(tmp_path, f"worker{i}", "worker", "--dispatcher", address))
         for i in range(2):
-            _wait_for_line(tmp_path, f"worker{i}", servers[i + 1], "worker listening on 127.0.0.1:")
+            _wait_for_line(tmp_path, f"worker{i}", servers[i + 1], "worker ready at 127.0.0.1:")
+        # TensorFlow's servers cannot bind 127.0.0.1 alone: each listens on every interface
+        # (`*:port` in ss), and each process says so in one warning line naming its port.
+        for name, proc in [("dispatcher", dispatcher), ("worker0", servers[1]), ("worker1", servers[2])]:
+            (_, ip, port), = wildcard_listeners([proc.pid])
+            assert ip in ("0.0.0.0", "::")
+            warning = _wait_for_line(tmp_path, name, proc, "kpipe data-service: warning:")
+            assert f"listens on *:{port}, on every network interface (" in warning
+        assert int(address.rsplit(":", 1)[1]) == wildcard_listeners([dispatcher.pid])[0][2]
 
         out = tmp_path / "fit.json"
         trainer = subprocess.run([sys.executable, os.path.join(PROGRAMS, "ds_fit.py"), address,

@@ -4,6 +4,7 @@ propagation, signal forwarding, timeouts and no process left behind. No TensorFl
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -233,3 +234,98 @@ def test_cli_forwards_ctrl_c_to_every_worker(tmp_path, no_leaks):
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
+
+
+# -- open ports: the launcher sees what its workers listen on ------------------------------
+
+_LISTENER = """
+    import json, os, socket, time
+    config = json.loads(os.environ["TF_CONFIG"])
+    me = config["task"]["index"]
+    addresses = config["cluster"]["worker"]
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind((BIND, int(addresses[me].rsplit(":", 1)[1])))
+    server.listen()
+    print("port", server.getsockname()[1], flush=True)
+    deadline = time.monotonic() + 30  # wait until every worker listens, as TF's servers do
+    for address in addresses:
+        host, port = address.rsplit(":", 1)
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+    time.sleep(HOLD_S)  # the launcher looks every 0.5 s
+    """
+
+
+def _listener(bind, hold_s):
+    return _py(_LISTENER.replace("BIND", repr(bind)).replace("HOLD_S", str(hold_s)))
+
+
+needs_outside_interface = pytest.mark.skipif(
+    not _launcher.outside_interfaces(), reason="this host has no network interface besides loopback")
+
+
+@needs_outside_interface
+def test_workers_listening_on_every_interface_get_one_warning_naming_them(no_leaks):
+    out = io.StringIO()
+    with pytest.warns(_launcher.OpenPortsWarning) as record:
+        result = launch(_listener("0.0.0.0", 3), workers=2, output=out, timeout_s=50)
+    assert result.returncode == 0, result.tails
+    ports = sorted(int(line.split()[-1]) for line in out.getvalue().splitlines() if " port " in line)
+    messages = [str(w.message) for w in record if w.category is _launcher.OpenPortsWarning]
+    assert len(messages) == 1 and len(ports) == 2, (messages, out.getvalue())
+    interfaces = ", ".join(_launcher.outside_interfaces())
+    assert messages[0].startswith(f"workers 0, 1 listen on *:{ports[0]}, *:{ports[1]}, on every network "
+                                  f"interface ({interfaces}), not only on 127.0.0.1")
+    assert "run any graph sent to them without authentication" in messages[0]
+    assert record[0].filename == __file__  # points at the launch() call
+
+
+def test_workers_listening_on_loopback_only_get_no_warning(no_leaks, recwarn):
+    result = launch(_listener("127.0.0.1", 1.5), workers=2, output=io.StringIO(), timeout_s=50)
+    assert result.returncode == 0, result.tails
+    assert not [w for w in recwarn if w.category is _launcher.OpenPortsWarning]
+    result = launch(_listener("0.0.0.0", 1.5), workers=1, output=io.StringIO(), timeout_s=50,
+                    warn_open_ports=False)
+    assert result.returncode == 0 and not [w for w in recwarn if w.category is _launcher.OpenPortsWarning]
+
+
+@needs_outside_interface
+def test_cli_prints_the_open_ports_warning_as_one_line(no_leaks):
+    proc = _cli("launch", "--workers", "2", "--", *_listener("0.0.0.0", 3))
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(lines) == 1 and lines[0].startswith("kpipe launch: warning: workers 0, 1 listen on *:"), proc.stderr
+
+
+def test_host_help_does_not_claim_to_choose_the_listening_address():
+    text = _cli("launch", "--help").stdout
+    assert "address the workers listen on" not in text
+    assert "listen on every network interface" in " ".join(text.split())
+
+
+def test_no_warning_inside_a_loopback_only_network_namespace(no_leaks):
+    """`unshare --net` (or `docker run --network none`) fences a local job in: nothing to warn."""
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("unprivileged network namespaces are not available here")
+    launcher = " ".join(map(shlex.quote, [sys.executable, "-m", "kpipe.cli", "launch", "--workers", "2",
+                                          "--", *_listener("0.0.0.0", 3)]))
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
+                           f"ip link set lo up 2>/dev/null; exec {launcher}"],
+                          env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(line.split()[1] for line in proc.stdout.splitlines()) == ["0]", "1]"]  # both listened
+    assert "warning" not in proc.stderr, proc.stderr
+
+
+def test_readme_security_section_says_what_is_exposed_and_how_to_fence_it():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme.split("\n## Security\n", 1)[1].split("\n## ", 1)[0]
+    for fact in ("every network interface", "no authentication", "grpc_server_lib.cc", "server_lib.cc",
+                 "OpenPortsWarning", "iptables", "private subnet", "unshare --user --map-root-user --net"):
+        assert fact in section, fact

@@ -54,6 +54,9 @@ def run(args) -> int:
             raise ValueError(f"`--batches` must be >= 2 (one for latency, the rest for throughput). Received: --batches={args.batches}.")
         if args.plot:
             _require_matplotlib()
+        from kpipe._cli import _quiet
+
+        _quiet.quiet_tensorflow(getattr(args, "verbose", False))  # the target may import it
         factory = load_target(args.target)
     except (ValueError, ImportError) as exc:
         print(f"kpipe bench: error: {exc}", file=sys.stderr)

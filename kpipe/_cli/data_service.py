@@ -30,29 +30,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     worker.add_argument("--port", type=int, default=0,
                         help="port to listen on (default: a free port, printed)")
     worker.add_argument("--host", default="127.0.0.1",
-                        help="address under which trainers reach this worker "
-                             "(default: 127.0.0.1)")
+                        help="address under which the dispatcher and trainers reach this "
+                             "worker (default: 127.0.0.1). The server listens on every "
+                             "network interface whatever it is (README: Security)")
     for p in (dispatcher, worker):
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="show TensorFlow's start-up log, which is hidden by default")
         p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
                        help="stop after SECONDS (default: run until Ctrl-C or SIGTERM)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs `kpipe data-service`; returns the exit code."""
+    from kpipe._cli import _quiet
+
+    _quiet.quiet_tensorflow(getattr(args, "verbose", False))
     from kpipe.distribute import _data_service
 
     try:
-        if args.role == "dispatcher":
-            server = _data_service.start_dispatcher(args.port, work_dir=args.work_dir)
-            address = server.target[len("grpc://"):].replace("localhost", "127.0.0.1")
-            print(f"kpipe data-service: dispatcher listening on {address}", flush=True)
-        else:
-            from kpipe.distribute._launcher import free_ports
-
-            port = args.port or free_ports(1, args.host)[0]
-            server = _data_service.start_worker(args.dispatcher, port, host=args.host)
-            print(f"kpipe data-service: worker listening on {args.host}:{port}, serving "
-                  f"dispatcher {args.dispatcher}", flush=True)
+        with _quiet.kpipe_warnings_as_lines("kpipe data-service"):
+            server = _start(args, _data_service)
     except ValueError as e:
         print(f"kpipe data-service: {e}", file=sys.stderr)
         return 2
@@ -60,6 +57,22 @@ def run(args: argparse.Namespace) -> int:
     print("kpipe data-service: stopping", flush=True)
     del server
     return 0
+
+
+def _start(args, _data_service):
+    """Starts the server `args.role` names and prints where it listens."""
+    if args.role == "dispatcher":
+        server = _data_service.start_dispatcher(args.port, work_dir=args.work_dir)
+        address = server.target[len("grpc://"):].replace("localhost", "127.0.0.1")
+        print(f"kpipe data-service: dispatcher ready at {address}", flush=True)
+    else:
+        from kpipe.distribute._launcher import free_ports
+
+        port = args.port or free_ports(1, args.host)[0]
+        server = _data_service.start_worker(args.dispatcher, port, host=args.host)
+        print(f"kpipe data-service: worker ready at {args.host}:{port}, serving "
+              f"dispatcher {args.dispatcher}", flush=True)
+    return server
 
 
 def _wait_for_stop(duration) -> None:

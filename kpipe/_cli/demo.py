@@ -49,8 +49,9 @@ def run(args) -> int:
         print(f"kpipe demo: error: {exc}", file=sys.stderr)
         return 2
     workers = args.workers if args.workers is not None else max(2, min(4, os.cpu_count() or 1))
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from kpipe._cli import _quiet
 
+    _quiet.quiet_tensorflow(getattr(args, "verbose", False), level="2")
     from kpipe import _demo
 
     t0 = time.perf_counter()

@@ -26,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="first port; workers listen on PORT, PORT+1, ... "
                              "(default: free ports)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address the workers listen on (default: 127.0.0.1)")
+                        help="address written into TF_CONFIG, under which the workers reach "
+                             "each other (default: 127.0.0.1). TensorFlow's servers listen "
+                             "on every network interface whatever it is; kpipe warns when they "
+                             "do (README: Security)")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="stop every worker after SECONDS and exit with 124")
     parser.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
@@ -39,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("Each worker gets TF_CONFIG (worker i of N; worker 0 is the chief) and "
                      "KPIPE_LAUNCH_WORKER=i; its output lines are prefixed with [worker i]. "
                      "When one worker fails, the others are stopped and its exit code is "
-                     "returned; Ctrl-C is forwarded to every worker.")
+                     "returned; Ctrl-C is forwarded to every worker. Unless --verbose, "
+                     "workers get TF_CPP_MIN_LOG_LEVEL=1 (if it is not set) and TensorFlow's "
+                     "start-up lines (CUDA, CPU features) are left out of their output.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,9 +66,16 @@ def run(args: argparse.Namespace) -> int:
         print("kpipe launch: no command given. Usage: kpipe launch --workers 2 -- python "
               "train.py", file=sys.stderr)
         return 2
+    from kpipe._cli import _quiet
+
+    verbose = getattr(args, "verbose", False)
     try:
-        result = _launcher.launch(command, workers=args.workers, port=args.port,
-                                  host=args.host, timeout_s=args.timeout, grace_s=args.grace)
+        with _quiet.kpipe_warnings_as_lines("kpipe launch"):
+            result = _launcher.launch(
+                command, workers=args.workers, port=args.port, host=args.host,
+                timeout_s=args.timeout, grace_s=args.grace,
+                env=None if verbose else _quiet.quiet_env(),
+                line_filter=None if verbose else _quiet.startup_noise_filter())
     except ValueError as e:
         print(f"kpipe launch: {e}", file=sys.stderr)
         return 2

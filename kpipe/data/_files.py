@@ -63,13 +63,15 @@ def from_files(
 
     Example:
 
-    >>> import os, numpy as np, tensorflow as tf, kpipe
+    >>> import os, tempfile, numpy as np, tensorflow as tf, kpipe
+    >>> tmp = tempfile.TemporaryDirectory()
     >>> for c in ("cat", "dog"):
-    ...     os.makedirs(f"/tmp/kpipe_doc_imgs/{c}", exist_ok=True)
-    ...     tf.io.write_file(f"/tmp/kpipe_doc_imgs/{c}/0.png", tf.io.encode_png(np.zeros((8, 8, 3), "uint8")))
-    >>> ds = kpipe.data.from_files("/tmp/kpipe_doc_imgs", image_size=(4, 4))
+    ...     os.makedirs(os.path.join(tmp.name, c))
+    ...     tf.io.write_file(os.path.join(tmp.name, c, "0.png"), tf.io.encode_png(np.zeros((8, 8, 3), "uint8")))
+    >>> ds = kpipe.data.from_files(tmp.name, image_size=(4, 4))
     >>> [(image.shape, int(label)) for image, label in ds.as_numpy_iterator()]
     [((4, 4, 3), 0), ((4, 4, 3), 1)]
+    >>> tmp.cleanup()
     """
     shard = resolve_shard(input_context, num_shards, index)
     _check_args(image_size, channels, on_error, extensions)

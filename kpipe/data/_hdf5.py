@@ -1,6 +1,8 @@
 """`kpipe.data.from_hdf5`: samples from one or many HDF5 files, read in chunk-aligned blocks."""
 
 import collections
+import errno
+import re
 import threading
 import weakref
 from typing import List
@@ -58,23 +60,26 @@ def from_hdf5(paths, x, y=None, *, block_size=None, input_context=None, num_shar
 
     Raises:
         FileNotFoundError: if a file does not exist.
+        PermissionError: if this user may not read a file.
+        BlockingIOError: if a file is locked by a process writing it (HDF5 file locking).
         KeyError: if a file lacks a dataset named in `x`/`y`.
         TypeError: if a dataset has a dtype tensors cannot hold (strings, compound, ...).
-        ValueError: if `x` and `y` datasets differ in length within a file, or files
-            disagree on dtypes or per-sample shapes.
+        ValueError: if a file is not an HDF5 file, `x` and `y` datasets differ in length
+            within a file, or files disagree on dtypes or per-sample shapes.
 
     Example:
 
-    >>> import h5py, numpy as np, kpipe
-    >>> with h5py.File("/tmp/kpipe_doc.h5", "w") as f:
+    >>> import os, tempfile, h5py, numpy as np, kpipe
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> path = os.path.join(tmp.name, "train.h5")
+    >>> with h5py.File(path, "w") as f:
     ...     _ = f.create_dataset("x", data=np.zeros((10, 4), "float32"), chunks=(5, 4), compression="gzip")
     ...     _ = f.create_dataset("y", data=np.arange(10))
-    >>> ds = kpipe.data.from_hdf5("/tmp/kpipe_doc.h5", x="x", y="y")
+    >>> ds = kpipe.data.from_hdf5(path, x="x", y="y")
     >>> [int(y) for _, y in ds.as_numpy_iterator()][:3]
     [0, 1, 2]
+    >>> tmp.cleanup()
     """
-    import h5py
-
     files = expand_paths(paths, "paths", "HDF5")
     shard = resolve_shard(input_context, num_shards, index)
     keys, structure, label_leaf = flatten_keys(x, y)
@@ -87,11 +92,7 @@ def from_hdf5(paths, x, y=None, *, block_size=None, input_context=None, num_shar
     leaves: List[Leaf] = []
     lengths, chunk_rows = [], []
     for path in files:
-        try:
-            f = h5py.File(path, "r")
-        except OSError as exc:
-            raise ValueError(f"Cannot open {path!r} as an HDF5 file: {exc}. Check that it is an HDF5 file.") from None
-        with f:
+        with open_hdf5(path) as f:
             n, chunks = _inspect_file(f, path, keys, leaves)
         lengths.append(n)
         chunk_rows.append(chunks)
@@ -109,6 +110,64 @@ def from_hdf5(paths, x, y=None, *, block_size=None, input_context=None, num_shar
         label_leaf=label_leaf,
     )
     return attach(source.build(shard), source, shard)
+
+
+def open_hdf5(path, **kwargs):
+    """Opens `path` read-only with h5py; a failure says which of the usual causes it is.
+
+    h5py raises `OSError` subclasses carrying the C library's errno (in `exc.errno`, and
+    as "errno = N" in the message for the file-locking failure); a file that exists but
+    is not HDF5 has no errno and says "file signature not found".
+
+    Args:
+        path: The file.
+        **kwargs: Passed to `h5py.File` (e.g. `rdcc_nbytes`).
+
+    Returns:
+        The open `h5py.File`.
+
+    Raises:
+        FileNotFoundError: The file does not exist (any more).
+        PermissionError: This user may not read it.
+        BlockingIOError: HDF5's file lock is held by another process writing the file.
+        ValueError: The file exists but is not an HDF5 file.
+        OSError: Any other failure to open, with the file named.
+    """
+    import h5py
+
+    try:
+        return h5py.File(path, "r", **kwargs)
+    except OSError as exc:
+        raise _open_error(path, exc) from None
+
+
+def _open_error(path, exc):
+    text = re.sub(r"^\[Errno \d+\] ", "", str(exc))  # the new error shows the errno once
+    errno_ = exc.errno
+    if errno_ is None:  # the lock failure's errno sits in the message
+        m = re.search(r"unable to lock file, errno = (\d+)", text)
+        errno_ = int(m.group(1)) if m else None
+    if "unable to lock file" in text or errno_ in (errno.EAGAIN, errno.EWOULDBLOCK):
+        return BlockingIOError(
+            errno.EAGAIN,
+            f"HDF5 file {path!r} is locked by another process that has it open for writing "
+            f"({text}). Close the writer first; if no process writes it (e.g. a stale lock on "
+            "a network file system that lacks locking), set HDF5_USE_FILE_LOCKING=FALSE in the "
+            "environment before starting Python. Reading a file while it is written can return "
+            "partial data.")
+    if isinstance(exc, FileNotFoundError) or errno_ == errno.ENOENT:
+        return FileNotFoundError(
+            errno.ENOENT, f"HDF5 file {path!r} does not exist ({text}). It may have been moved "
+            "or deleted after the dataset was created; check the path.")
+    if isinstance(exc, PermissionError) or errno_ in (errno.EACCES, errno.EPERM):
+        return PermissionError(
+            errno.EACCES, f"Permission denied reading HDF5 file {path!r} ({text}). Give this "
+            f"user read access to the file and execute access to its directories (e.g. "
+            f"chmod a+r {path!r}), or copy it somewhere readable.")
+    if "file signature not found" in text:
+        return ValueError(f"{path!r} is not an HDF5 file (h5py: {text}). Check that the path "
+                          "names an HDF5 file (.h5/.hdf5), not e.g. a NumPy or TFRecord file.")
+    return OSError(errno_, f"Cannot open HDF5 file {path!r}: {text}")
 
 
 def _inspect_file(f, path, keys, leaves):
@@ -210,13 +269,11 @@ class _Hdf5Reader:
             self._checkin(part, entry)
 
     def _checkout(self, part):
-        import h5py
-
         with self._lock:
             stack = self._idle.get(part)
             if stack:
                 return stack.pop()
-        f = h5py.File(self.paths[part], "r", rdcc_nbytes=_CHUNK_CACHE_BYTES)
+        f = open_hdf5(self.paths[part], rdcc_nbytes=_CHUNK_CACHE_BYTES)
         with self._lock:
             self._open.append(f)
             self.opened += 1

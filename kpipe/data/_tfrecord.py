@@ -48,14 +48,17 @@ def from_tfrecord(
 
     Example:
 
-    >>> import tensorflow as tf, kpipe
-    >>> with tf.io.TFRecordWriter("/tmp/kpipe_doc.tfrecord") as w:
+    >>> import os, tempfile, tensorflow as tf, kpipe
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> path = os.path.join(tmp.name, "train.tfrecord")
+    >>> with tf.io.TFRecordWriter(path) as w:
     ...     for i in range(3):
     ...         f = {"v": tf.train.Feature(int64_list=tf.train.Int64List(value=[i]))}
     ...         w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
-    >>> ds = kpipe.data.from_tfrecord("/tmp/kpipe_doc.tfrecord", {"v": tf.io.FixedLenFeature([], tf.int64)})
+    >>> ds = kpipe.data.from_tfrecord(path, {"v": tf.io.FixedLenFeature([], tf.int64)})
     >>> [int(e["v"]) for e in ds.as_numpy_iterator()]
     [0, 1, 2]
+    >>> tmp.cleanup()
     """
     import tensorflow as tf
 

@@ -12,14 +12,15 @@ first use.
 * `is_presharded()`, `mark_presharded()`, `check_shuffle_seed()` -- input sharding rules.
 * `scaled_learning_rate()` -- the linear scaling rule (see `kpipe.callbacks.Warmup`).
 * `chief_only()`, `chief_path()`, `per_worker_path()` -- files written by the chief only.
-* `launch()`, `LaunchResult`, `free_ports()`, `tf_configs()` -- local multi-worker jobs.
+* `launch()`, `LaunchResult`, `free_ports()`, `tf_configs()` -- local multi-worker jobs;
+  `OpenPortsWarning` -- a server listens on every network interface (README: Security).
 * `start_dispatcher()`, `start_worker()`, `via_data_service()` -- tf.data service.
 """
 
 from kpipe import _lazy
 from kpipe.distribute._chief import chief_only, chief_path, per_worker_path
 from kpipe.distribute._cluster import ClusterInfo, TFConfigError, cluster_info, default_shard
-from kpipe.distribute._launcher import LaunchResult, free_ports, launch, tf_configs
+from kpipe.distribute._launcher import LaunchResult, OpenPortsWarning, free_ports, launch, tf_configs
 from kpipe.distribute._lr import scaled_learning_rate
 from kpipe.distribute._sharding import check_shuffle_seed, is_presharded, mark_presharded
 
@@ -33,7 +34,7 @@ _LAZY_ATTRS = {
 }
 
 __all__ = sorted([
-    "ClusterInfo", "LaunchResult", "TFConfigError", "check_shuffle_seed", "chief_only",
+    "ClusterInfo", "LaunchResult", "OpenPortsWarning", "TFConfigError", "check_shuffle_seed", "chief_only",
     "chief_path", "cluster_info", "default_shard", "free_ports", "is_presharded", "launch",
     "mark_presharded", "per_worker_path", "scaled_learning_rate", "tf_configs",
     *_LAZY_ATTRS,

@@ -86,8 +86,10 @@ def cluster_info(tf_config: Optional[str] = None) -> ClusterInfo:
 
     Raises:
         TFConfigError: `TF_CONFIG` is not JSON, lacks `cluster` or `task`, names an
-            unknown task type, has an index out of range or an address that is not
-            `"host:port"`. The message quotes the value received.
+            unknown task type, has an index out of range, an address that is not
+            `"host:port"`, two tasks with the same address, or a dict-form task list
+            whose keys are not the indices 0..n-1. The message names the task and
+            quotes the value received.
 
     Example:
 
@@ -196,7 +198,7 @@ def _parse_cluster(cluster, raw: str) -> Mapping[str, Tuple[str, ...]]:
             raise _fail(f"unknown task type {task_type!r} in `cluster`", raw,
                         f"Use only {', '.join(map(repr, _KNOWN_TYPES))}.")
         if isinstance(addresses, dict):  # TF also accepts {"0": "host:port", ...}
-            addresses = [addresses[k] for k in sorted(addresses, key=int)]
+            addresses = _dict_addresses(task_type, addresses, raw)
         if not isinstance(addresses, list):
             raise _fail(f"`cluster[{task_type!r}]` must be a list of \"host:port\" strings", raw,
                         f'Expected "{task_type}": ["host:port", ...].')
@@ -206,7 +208,45 @@ def _parse_cluster(cluster, raw: str) -> Mapping[str, Tuple[str, ...]]:
     if len(parsed.get("chief", ())) > 1:
         raise _fail(f"a cluster has at most one chief, got {len(parsed['chief'])}", raw,
                     'Move the extra addresses to "worker".')
+    _check_distinct(parsed, raw)
     return parsed
+
+
+def _dict_addresses(task_type: str, addresses: dict, raw: str) -> list:
+    """The dict form `{"0": "host:port", "1": ...}` as a list in index order."""
+    by_index = {}
+    for key, address in addresses.items():
+        index = int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        if index is None:
+            raise _fail(f"`cluster[{task_type!r}]` has the key {key!r}, which is not a task "
+                        "index", raw,
+                        f'In the dict form, keys are task indices: "{task_type}": '
+                        '{"0": "host:port", "1": "host:port"}; or use a list.')
+        if index in by_index:
+            raise _fail(f"`cluster[{task_type!r}]` names task {index} twice (keys "
+                        f"{by_index[index][0]!r} and {key!r})", raw,
+                        "Give each task index one address.")
+        by_index[index] = (key, address)
+    missing = sorted(set(range(len(by_index))) - set(by_index))
+    if missing:
+        raise _fail(f"`cluster[{task_type!r}]` has task indices {sorted(by_index)} with "
+                    f"{missing[0]} missing", raw,
+                    f"Number the {task_type!r} tasks 0 to {len(by_index) - 1} without gaps.")
+    return [by_index[i][1] for i in range(len(by_index))]
+
+
+def _check_distinct(cluster: Mapping[str, Tuple[str, ...]], raw: str) -> None:
+    """Every task runs its own server, so no two tasks may share a `host:port`."""
+    seen = {}
+    for task_type, addresses in cluster.items():
+        for index, address in enumerate(addresses):
+            where = f"{task_type} {index}"
+            if address in seen:
+                raise _fail(f"tasks {seen[address]} and {where} both have the address "
+                            f"{address!r}", raw,
+                            "Give every task its own host:port (each one starts a server "
+                            "on its port).")
+            seen[address] = where
 
 
 def _check_address(address, where: str, raw: str) -> None:

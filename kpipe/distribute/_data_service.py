@@ -5,13 +5,24 @@ dispatcher hands out work, workers run the input pipeline, the trainer reads bat
 over gRPC. `kpipe data-service dispatcher|worker` wraps the two servers; `distribute`
 sends a `tf.data.Dataset` (for example a `kpipe.data.pipeline`) through them.
 
-TensorFlow's servers listen on every interface of their host (their config takes no
-bind address); kpipe advertises `127.0.0.1` unless an address is given, so a default
-setup is reachable from the local host only if the firewall blocks the port outside.
+TensorFlow's servers listen on every interface of their host, and cannot be told
+otherwise: `GrpcDataServerBase::Start` (tensorflow/core/data/service/server_lib.cc)
+listens on `"0.0.0.0:" + port`, and `DispatcherConfig`/`WorkerConfig` have no bind
+address (`WorkerConfig.worker_address` is only what the worker *advertises* to the
+dispatcher and to readers). The pip build registers one protocol, insecure `"grpc"`
+(asking for `"grpc+local"` fails: "No credentials factory has been registered for
+protocol grpc+local. The available types are: [ grpc ]"). kpipe advertises `127.0.0.1` unless an address is
+given, and `start_dispatcher`/`start_worker` issue an `OpenPortsWarning` naming the port
+when the server listens on every interface; fence it with a firewall (README: Security).
 Imports TensorFlow lazily, inside the functions.
 """
 
+import os
+import warnings
 from typing import Optional
+
+from kpipe.distribute._launcher import (OpenPortsWarning, open_ports_message, outside_interfaces,
+                                        wildcard_listeners)
 
 _PROCESSING_MODES = ("parallel_epochs", "distributed_epoch")
 
@@ -31,18 +42,27 @@ def start_dispatcher(port: int = 0, *, work_dir: Optional[str] = None):
     Raises:
         ValueError: `port` is out of range.
 
+    Warns:
+        OpenPortsWarning: The server listens on every network interface (it always
+            does with TensorFlow's gRPC server; see the module docstring).
+
     Example:
 
-    >>> d = start_dispatcher()
-    >>> d.target.startswith("grpc://")
-    True
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     d = start_dispatcher()
+    >>> d.target.startswith("grpc://"), [type(w.message).__name__ for w in caught]
+    (True, ['OpenPortsWarning'])
     """
     _check_port(port)
     import tensorflow as tf
 
     config = tf.data.experimental.service.DispatcherConfig(
         port=port, protocol="grpc", work_dir=work_dir, fault_tolerant_mode=work_dir is not None)
-    return tf.data.experimental.service.DispatchServer(config)
+    server = tf.data.experimental.service.DispatchServer(config)
+    _warn_if_open("tf.data service dispatcher", int(server.target.rsplit(":", 1)[1]))
+    return server
 
 
 def start_worker(dispatcher: str, port: int = 0, *, host: str = "127.0.0.1"):
@@ -51,8 +71,8 @@ def start_worker(dispatcher: str, port: int = 0, *, host: str = "127.0.0.1"):
     Args:
         dispatcher: The dispatcher's `"host:port"` (a `"grpc://"` prefix is accepted).
         port: TCP port of this worker; 0 picks a free one. Defaults to 0.
-        host: Address under which the dispatcher and trainers reach this worker.
-            Defaults to `"127.0.0.1"`.
+        host: Address under which the dispatcher and trainers reach this worker. The
+            server listens on every interface whatever it is. Defaults to `"127.0.0.1"`.
 
     Returns:
         The running `tf.data.experimental.service.WorkerServer`.
@@ -60,10 +80,16 @@ def start_worker(dispatcher: str, port: int = 0, *, host: str = "127.0.0.1"):
     Raises:
         ValueError: `dispatcher` is not `host:port`, or `port` is out of range.
 
+    Warns:
+        OpenPortsWarning: The server listens on every network interface.
+
     Example:
 
-    >>> d = start_dispatcher()
-    >>> w = start_worker(d.target)
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", OpenPortsWarning)  # fenced off by a firewall
+    ...     d = start_dispatcher()
+    ...     w = start_worker(d.target)
     """
     _check_port(port)
     address = _strip_protocol(dispatcher)
@@ -76,7 +102,18 @@ def start_worker(dispatcher: str, port: int = 0, *, host: str = "127.0.0.1"):
     config = tf.data.experimental.service.WorkerConfig(
         dispatcher_address=address, worker_address=f"{host}:{port}", port=port,
         protocol="grpc")
-    return tf.data.experimental.service.WorkerServer(config)
+    server = tf.data.experimental.service.WorkerServer(config)
+    _warn_if_open("tf.data service worker", port, host)
+    return server
+
+
+def _warn_if_open(what: str, port: int, host: str = "127.0.0.1") -> None:
+    """Issues an `OpenPortsWarning` if this process listens on `port` on every interface."""
+    if any(p == port for _, _, p in wildcard_listeners([os.getpid()])):
+        interfaces = outside_interfaces()
+        if interfaces:
+            warnings.warn(OpenPortsWarning(open_ports_message(what, [port], host, interfaces)),
+                          stacklevel=3)
 
 
 def via_data_service(dataset, service: str, *, processing_mode: str = "distributed_epoch",

@@ -23,6 +23,22 @@ Signals go to process *groups* (`os.killpg`), so a command started through a she
 that runs its own worker processes is stopped as a whole. Output threads read each child's
 merged stdout/stderr line by line and write it with a `[worker i] ` prefix; they end when
 the last holder of the pipe exits, which the final SIGKILL guarantees.
+
+NOTE [ Open ports ]
+-------------------
+TensorFlow's gRPC server cannot bind a chosen address: `GrpcServer::Init`
+(tensorflow/core/distributed_runtime/rpc/grpc_server_lib.cc) listens on
+`"0.0.0.0:" + port`, the port taken from this task's `TF_CONFIG` entry; the host part of
+that entry only names the address under which the *other* tasks reach it, and no option
+or environment variable changes the listening address (`TF_GRPC_REUSE_PORT` only sets
+SO_REUSEPORT). gRPC turns that wildcard into a dual-stack socket, `*:port` in `ss -ltn`.
+The tf.data service servers do the same (`GrpcDataServerBase::Start` in
+tensorflow/core/data/service/server_lib.cc), and the servers accept any graph,
+unauthenticated. So `host` cannot fence a job in; the supervise loop looks at the
+listening sockets of each worker's process tree (psutil, every `_PORT_CHECK_S` at first)
+and warns once, with an `OpenPortsWarning` naming the ports, when one listens on a wildcard
+address while the network namespace has an interface besides loopback
+(`outside_interfaces`).
 """
 
 import collections
@@ -35,9 +51,18 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Dict, List, Optional, Sequence, Tuple
+import warnings
+from typing import IO, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 _POLL_S = 0.05
+# Listening sockets are looked at every _PORT_CHECK_S during the first _PORT_FAST_S of a
+# job (servers start with the strategy), then every _PORT_CHECK_SLOW_S: one look costs
+# ~20 ms of CPU for a tree of 10 processes.
+_PORT_CHECK_S = 0.5
+_PORT_FAST_S = 60.0
+_PORT_CHECK_SLOW_S = 5.0
+_PORT_SETTLE_S = 3.0
+_WILDCARD_IPS = ("0.0.0.0", "::")
 _READER_JOIN_S = 5.0
 _TAIL_LINES = 200
 _EXIT_TIMEOUT = 124
@@ -64,6 +89,91 @@ class LaunchResult:
     timed_out: bool
     interrupted: bool
     tails: Tuple[str, ...]
+
+
+class OpenPortsWarning(UserWarning):
+    """A server of a local job listens on every network interface, not only loopback.
+
+    TensorFlow's gRPC servers and tf.data service servers cannot bind a chosen address
+    (see the README's "Security" section); filter this warning once the ports are fenced
+    off by a firewall or a private network.
+    """
+
+
+def wildcard_listeners(pids: Iterable[int]) -> List[Tuple[int, str, int]]:
+    """Returns the TCP sockets that `pids` (and their descendants) listen on for every interface.
+
+    Args:
+        pids: Process ids to inspect; processes that are gone are skipped.
+
+    Returns:
+        `(pid, ip, port)` for each listening socket bound to `0.0.0.0` or `::`, sorted.
+        Sockets of processes this user may not inspect are not seen.
+
+    Example:
+
+    >>> import os, socket
+    >>> s = socket.socket(); s.bind(("0.0.0.0", 0)); s.listen()
+    >>> (os.getpid(), "0.0.0.0", s.getsockname()[1]) in wildcard_listeners([os.getpid()])
+    True
+    >>> s.close()
+    """
+    import psutil
+
+    found = set()
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root] + root.children(recursive=True)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for proc in procs:
+            try:
+                conns = (proc.net_connections if hasattr(proc, "net_connections")
+                         else proc.connections)(kind="tcp")
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+            for conn in conns:
+                if conn.status == psutil.CONN_LISTEN and conn.laddr and \
+                        conn.laddr.ip in _WILDCARD_IPS:
+                    found.add((proc.pid, conn.laddr.ip, conn.laddr.port))
+    return sorted(found)
+
+
+def outside_interfaces() -> List[str]:
+    """Names of this network namespace's interfaces with a non-loopback address.
+
+    Empty inside a namespace that has only `lo` (e.g. `unshare --net`, `docker run
+    --network none`): there a wildcard listener is reachable from this host alone.
+    """
+    import ipaddress
+
+    import psutil
+
+    names = []
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                if not ipaddress.ip_address(address.address.split("%")[0]).is_loopback:
+                    names.append(name)
+                    break
+            except ValueError:
+                continue
+    return sorted(names)
+
+
+def open_ports_message(what: str, ports: Sequence[int], host: str,
+                       interfaces: Optional[Sequence[str]] = None) -> str:
+    """The one-line `OpenPortsWarning` text for `what` (e.g. "worker 0") on `ports`."""
+    listed = ", ".join(f"*:{p}" for p in sorted(set(ports)))
+    verb = "listen" if what.startswith("workers ") else "listens"
+    named = f" ({', '.join(interfaces)})" if interfaces else ""
+    return (f"{what} {verb} on {listed}, on every network interface{named}, not only on {host}: "
+            "TensorFlow's gRPC servers cannot bind one address, and they run any graph sent "
+            "to them without authentication. Block these ports from other hosts (firewall, "
+            "private network; README: Security).")
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
@@ -110,7 +220,7 @@ def parse_addresses(text: str) -> List[str]:
 
     Raises:
         ValueError: An entry is not `host:port` with a port in 1..65535, or an address
-            repeats.
+            repeats (the message names both workers).
 
     Example:
 
@@ -125,8 +235,11 @@ def parse_addresses(text: str) -> List[str]:
         if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
             raise ValueError(f"{address!r} is not a host:port address (in {text!r}). "
                              "Write addresses like 10.0.0.1:2222.")
-    if len(set(addresses)) != len(addresses):
-        raise ValueError(f"Addresses must be distinct. Received: {text!r}.")
+    for i, address in enumerate(addresses):
+        if address in addresses[:i]:
+            first = addresses.index(address)
+            raise ValueError(f"Workers {first} and {i} both have the address {address!r} (in "
+                             f"{text!r}). Give every worker its own host:port.")
     return addresses
 
 
@@ -182,6 +295,8 @@ def launch(
     output: Optional[IO[str]] = None,
     timeout_s: Optional[float] = None,
     grace_s: float = 10.0,
+    warn_open_ports: bool = True,
+    line_filter: Optional[Callable[[str], bool]] = None,
 ) -> LaunchResult:
     """Runs `command` as `workers` local processes, each with its own `TF_CONFIG`.
 
@@ -193,12 +308,19 @@ def launch(
     No process outlives the call. Safe to call from a notebook or from a thread (signals
     are then not forwarded).
 
+    `host` is only the address written into `TF_CONFIG`: TensorFlow's gRPC server listens
+    on every interface whatever it is (see NOTE [ Open ports ]). When a worker's process
+    tree listens on a wildcard address and the host has a network interface besides
+    loopback, an `OpenPortsWarning` naming the ports is issued once per call.
+
     Args:
         command: The program and its arguments, e.g. `[sys.executable, "train.py"]`.
         workers: Number of processes. Must be >= 1. Defaults to 2.
         port: First port; workers use `port, port+1, ...`. Defaults to `None` (free
             ports picked on `host`).
-        host: Address the workers listen on. Defaults to `"127.0.0.1"`.
+        host: Address written into `TF_CONFIG`, under which the workers reach each
+            other. It does not restrict where TensorFlow's servers listen (every
+            interface). Defaults to `"127.0.0.1"`.
         env: Extra environment variables for every worker, on top of `os.environ`.
             Defaults to `None`.
         output: Text stream for the prefixed output lines. Defaults to `None`
@@ -207,6 +329,12 @@ def launch(
             to `None` (no limit).
         grace_s: Seconds between SIGTERM (or a forwarded Ctrl-C) and SIGKILL. Defaults
             to 10.0.
+        warn_open_ports: Watch the workers' listening sockets and warn
+            (`OpenPortsWarning`) when one is bound to every interface. Defaults to True.
+        line_filter: Called with each output line (without its newline); lines for
+            which it returns True are not written to `output` (they are still kept in
+            `LaunchResult.tails`). `kpipe launch` uses it to drop TensorFlow's start-up
+            log. Defaults to `None` (write every line).
 
     Returns:
         A `LaunchResult`; `returncode` is what `kpipe launch` exits with.
@@ -235,7 +363,8 @@ def launch(
                          f"Received: port={port}. Omit it to pick free ports.")
     ports = free_ports(workers, host) if port is None else [port + i for i in range(workers)]
     configs = tf_configs([f"{host}:{p}" for p in ports])
-    job = _Job(output if output is not None else sys.stdout)
+    job = _Job(output if output is not None else sys.stdout, line_filter,
+               host if warn_open_ports else None)
     with _forwarded_signals(job):
         try:
             for i, config in enumerate(configs):
@@ -253,8 +382,14 @@ def launch(
 class _Job:
     """The children of one `launch()` call and their output threads."""
 
-    def __init__(self, output: IO[str]):
+    def __init__(self, output: IO[str], line_filter: Optional[Callable[[str], bool]] = None,
+                 watch_host: Optional[str] = None):
         self._output = output
+        self._line_filter = line_filter
+        self._watch_host = watch_host  # None: do not look at listening sockets
+        self._next_port_check = 0.0
+        self._started_at = time.monotonic()
+        self._ports_first_seen: Optional[float] = None
         self._write_lock = threading.Lock()
         self.procs: List[subprocess.Popen] = []
         self._readers: List[threading.Thread] = []
@@ -282,6 +417,8 @@ class _Job:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             tail.append(line)
+            if self._line_filter is not None and self._line_filter(line):
+                continue
             with self._write_lock:
                 try:
                     self._output.write(prefix + line + "\n")
@@ -303,6 +440,7 @@ class _Job:
                     kill_at = time.monotonic() + grace_s
             if all(c is not None for c in codes):
                 return
+            self._check_ports()
             if self.signal_count > self._forwarded_count:
                 now = time.monotonic()
                 # The first signal is forwarded; a second one means "stop now".
@@ -317,6 +455,36 @@ class _Job:
             if kill_at is not None and time.monotonic() > kill_at:
                 self._signal_all(signal.SIGKILL)
             time.sleep(_POLL_S)
+
+    def _check_ports(self) -> None:
+        """Warns once when workers' process trees listen on a wildcard address.
+
+        The first sighting waits up to `_PORT_SETTLE_S` for the other workers' servers,
+        so that one line names them all.
+        """
+        now = time.monotonic()
+        if self._watch_host is None or now < self._next_port_check:
+            return
+        fast = now - self._started_at < _PORT_FAST_S
+        self._next_port_check = now + (_PORT_CHECK_S if fast else _PORT_CHECK_SLOW_S)
+        alive = [i for i, p in enumerate(self.procs) if p.poll() is None]
+        found = {i: wildcard_listeners([self.procs[i].pid]) for i in alive}
+        found = {i: sockets for i, sockets in found.items() if sockets}
+        if not found:
+            return
+        if self._ports_first_seen is None:
+            self._ports_first_seen = now
+        if len(found) < len(alive) and now - self._ports_first_seen < _PORT_SETTLE_S:
+            return
+        host, self._watch_host = self._watch_host, None
+        interfaces = outside_interfaces()
+        if not interfaces:  # a loopback-only network namespace: nothing is exposed
+            return
+        workers = sorted(found)
+        what = ("worker " if len(workers) == 1 else "workers ") + ", ".join(map(str, workers))
+        ports = [port for i in workers for _, _, port in found[i]]
+        warnings.warn(OpenPortsWarning(open_ports_message(what, ports, host, interfaces)),
+                      stacklevel=4)
 
     def _signal_all(self, signum: int) -> None:
         for proc in self.procs:
