@@ -20,6 +20,7 @@ from kpipe._engine._pydataset_shim import PyDataset as _ShimPyDataset
 from kpipe.errors import LoaderClosedError, LoaderError
 
 _DEFAULT_TIMEOUT_S = 120.0
+_UNSET = object()
 # timeout=None: the engine still needs a number for its waits; ten days is "forever".
 _UNBOUNDED_WAIT_S = 10 * 86400.0
 
@@ -506,7 +507,7 @@ class ProcessLoader(keras.utils.PyDataset):
             batch = entry.batch
             if not keep:
                 del self._queue[key]
-                self._fill()
+                self._fill(after=self._cursor.successor(key, cross_passes=not self._stateful))
             return batch
         window_full = self._in_flight() >= self._limit() and self._next_dispatch() is not None
         t0 = time.perf_counter()
@@ -531,7 +532,7 @@ class ProcessLoader(keras.utils.PyDataset):
             entry.batch = batch
         else:
             del self._queue[key]
-        self._fill()
+        self._fill(after=self._cursor.successor(key, cross_passes=not self._stateful))
         return batch
 
     def _seek(self, key, probe):
@@ -590,20 +591,20 @@ class ProcessLoader(keras.utils.PyDataset):
     def _in_flight(self):
         return sum(1 for e in self._queue.values() if e.batch is None)
 
-    def _next_dispatch(self, after=None):
+    def _next_dispatch(self, after=_UNSET):
         """The next key to load: after the last queued one (or the head / the current
         read), at most one pass past the head, and across a pass boundary only when the
         next pass's plan cannot change (no epoch hooks) -- see the NOTE in _cursor.py."""
         last = next(reversed(self._queue), None)
         if last is None:
-            key = after if after is not None else self._cursor.direct_position()
+            key = self._cursor.direct_position() if after is _UNSET else after
         else:
             key = self._cursor.successor(last, cross_passes=not self._stateful)
         if key is None or key[0] > self._cursor.read_ahead_limit():
             return None
         return max(key, self._cursor.head)
 
-    def _fill(self, after=None):
+    def _fill(self, after=_UNSET):
         backend = self._backend
         if backend is None or backend.closed:
             return
