@@ -48,6 +48,7 @@ import collections
 import concurrent.futures
 import itertools
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -57,10 +58,10 @@ import weakref
 from multiprocessing import connection as mp_connection
 
 import kpipe
-from kpipe._engine import _pickling, _tree
+from kpipe._engine import _pickling, _tree, _wire
 from kpipe._engine import worker_info as _wi
-from kpipe._engine._shm import SlotPool, plan_layout
-from kpipe._engine._worker import pack_exception, send_fds
+from kpipe._engine._shm import SlotPool, fd_limit_error, is_fd_exhaustion, plan_layout, raise_fd_limit
+from kpipe._engine._worker import pack_exception
 from kpipe.errors import (
     BatchTimeoutError,
     LoaderClosedError,
@@ -70,6 +71,10 @@ from kpipe.errors import (
 
 _JOIN_TIMEOUT_S = 2.0
 _KILL_TIMEOUT_S = 2.0
+_SPAWN_TIMEOUT_S = 60.0
+# Slot descriptors a worker may hold at once (it keeps the mappings of all its slots):
+# enough for the few slots it cycles through, independent of how many batches are held.
+_WORKER_SLOT_FDS = 4
 _START_METHODS = ("forkserver", "spawn", "fork")
 # glibc keeps freed big buffers (up to 32 MiB) instead of unmapping them, so a worker that
 # allocates a fresh batch array per call reuses warm pages instead of page-faulting.
@@ -140,12 +145,14 @@ class _Proc:
         self.pid = pid
         self.handle = handle  # subprocess.Popen or multiprocessing.Process
         self.sentinel = sentinel  # waitable fd or None
-        self.known_slots = set()
+        self.known_slots = set()  # slots this worker has mapped
+        self.fd_slots = collections.OrderedDict()  # slots whose descriptor it holds, oldest first
         self.drops = []
         self.pending = collections.deque()  # seqs sent, not answered, in order
         self.array_keys = set()  # shared dataset arrays whose fds this worker holds
         self.alive = True
         self.dead_error = None  # set when the worker is found dead
+        self.last_key = None  # the last batch it delivered (or failed)
 
     def exitcode(self, wait_s=0.0):
         h = self.handle
@@ -224,6 +231,55 @@ class _ZygoteChild:
             time.sleep(0.005)
 
 
+_spawner_lock = threading.Lock()
+_spawner_queue = None
+
+
+def _spawner_loop(requests):
+    while True:
+        fn, args, future = requests.get()
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+def _reset_spawner():
+    global _spawner_queue
+    _spawner_queue = None  # a forked child has no spawner thread: start one on demand
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_spawner)
+
+
+def _start_process(fn, *args):
+    """Runs `fn(*args)` (which starts a worker process) in a thread that lives as long as
+    this process: the main thread, or else kpipe's daemon spawner thread.
+
+    Workers ask the kernel to kill them when their parent dies (PR_SET_PDEATHSIG), and
+    the kernel's "parent" is the *thread* that forked them: a worker started from a
+    thread that ends sooner (a Keras or TensorFlow pool thread, a ThreadPoolExecutor)
+    would be killed with it.
+    """
+    global _spawner_queue
+    if threading.current_thread() is threading.main_thread():
+        return fn(*args)
+    with _spawner_lock:
+        if _spawner_queue is None:
+            _spawner_queue = queue.SimpleQueue()
+            threading.Thread(target=_spawner_loop, args=(_spawner_queue,), name="kpipe-spawner", daemon=True).start()
+        requests = _spawner_queue
+    future = concurrent.futures.Future()
+    requests.put((fn, args, future))
+    try:
+        return future.result(timeout=_SPAWN_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise LoaderError(f"kpipe could not start a worker process within {_SPAWN_TIMEOUT_S:.0f} s.") from None
+
+
 def _spawn_exec(wid, parent_pid, entry="_exec_main"):
     """Starts a fresh interpreter running `kpipe._engine._worker.<entry>`; it never
     re-imports `__main__` (unlike multiprocessing's spawn), so a script's top-level
@@ -275,32 +331,40 @@ def _close_fd(fd):
             pass
 
 
+def _quietly(fn, *args):
+    try:
+        return fn(*args)
+    except Exception:  # shutdown must finish whatever fails (no fds left, a reaped pid)
+        return None
+
+
 def _shutdown(procs, slots, shared, force=False):
-    """Stops and reaps workers, then frees shared memory. Safe to call twice."""
-    for p in procs:
-        if p.alive and not force:
-            try:
-                p.conn.send(("stop",))
-            except (OSError, ValueError):
-                pass
+    """Stops and reaps workers, then frees shared memory. Safe to call twice; never raises.
+
+    Our descriptors go first: batches still held keep their mappings (not descriptors),
+    workers keep their own, and a process that ran out of descriptors gets some back for
+    the rest of the shutdown.
+    """
+    _quietly(slots.close)
+    _quietly(shared.close)
+    if not force:
+        now = time.monotonic()
+        for p in procs:
+            if p.alive:  # never waits: a worker whose socket is full is stopped by signal
+                _quietly(_wire.send, p.conn, ("stop",), (), now)
     deadline = time.monotonic() + (0 if force else _JOIN_TIMEOUT_S)
     for p in procs:
-        if p.exitcode(max(0.0, deadline - time.monotonic()) or 0.001) is None:
+        if _quietly(p.exitcode, max(0.0, deadline - time.monotonic()) or 0.001) is None:
             p.signal(signal.SIGTERM)
     for p in procs:
-        if p.exitcode(_KILL_TIMEOUT_S) is None:
+        if _quietly(p.exitcode, _KILL_TIMEOUT_S) is None:
             p.signal(signal.SIGKILL)
-            p.exitcode(_KILL_TIMEOUT_S)
+            _quietly(p.exitcode, _KILL_TIMEOUT_S)
         p.alive = False
-        try:
-            p.conn.close()
-        except OSError:
-            pass
+        _quietly(p.conn.close)
         _close_fd(p.sentinel)
         p.sentinel = None
     procs.clear()
-    slots.close()
-    shared.close()
 
 
 class ProcessBackend:
@@ -321,8 +385,9 @@ class ProcessBackend:
                 "workers start in ~0.2 s and do not import TensorFlow."
             )
         self.name = name
-        self.timeout = timeout
+        self.timeout = timeout  # seconds; None or inf: no limit
         self._mode = mode
+        raise_fd_limit()  # once per process: one descriptor per live slot adds up
         self._slots = SlotPool(keep_idle=keep_idle)
         self._shared = _pickling.SharedArrays()
         self._procs = []
@@ -339,7 +404,7 @@ class ProcessBackend:
             if start_method == "forkserver":
                 # Start the server first: its interpreter and imports (~0.2 s) overlap
                 # with pickling the dataset here.
-                self._zygote = _spawn_exec(-1, os.getpid(), entry="_zygote_main")
+                self._zygote = _start_process(_spawn_exec, -1, os.getpid(), "_zygote_main")
                 self._zygote.is_zygote = True
                 self._procs.append(self._zygote)  # last in the list: stopped after the workers
             payload, keys = _pickling.dumps(target, self._shared, what=f"`{name}`")
@@ -347,43 +412,43 @@ class ProcessBackend:
             if start_method == "forkserver":
                 self._start_forked(num_workers, seed, mode, payload, keys)
                 return
-            for wid in range(num_workers):
-                proc = spawn(wid, os.getpid())
-                self._procs.append(proc)
+            for wid in range(num_workers):  # all start at once; each reads its init when up
+                self._procs.append(_start_process(spawn, wid, os.getpid()))
+            deadline = _wire.deadline_after(self.timeout)
+            for proc in self._procs:
                 cfg = {
-                    "worker_id": wid,
+                    "worker_id": proc.id,
                     "num_workers": num_workers,
-                    "seed": _wi.derive_seed(seed, wid),
+                    "seed": _wi.derive_seed(seed, proc.id),
                     "mode": mode,
                     "sys_path": [p for p in sys.path if p],
                     "payload": payload,
                     "array_keys": keys,
                 }
-                proc.conn.send(("init", cfg))
-                send_fds(proc.conn, [self._shared.fd(k) for k in keys])
+                self._send(proc, ("init", cfg), [self._shared.fd(k) for k in keys], deadline)
                 proc.array_keys = set(keys)
-        except BaseException:
+        except BaseException as exc:
             self.close()
+            if is_fd_exhaustion(exc):
+                raise fd_limit_error(exc, f"start the workers of `{name}`") from exc
             raise
 
     def _start_forked(self, num_workers, seed, mode, payload, keys):
         """Sends the fork server its target, then has it fork every worker (ms each)."""
         zygote = self._zygote
         cfg = {"mode": mode, "sys_path": [p for p in sys.path if p], "payload": payload, "array_keys": keys}
-        zygote.conn.send(("init", cfg))
-        send_fds(zygote.conn, [self._shared.fd(k) for k in keys])
+        deadline = _wire.deadline_after(self.timeout)
+        self._send(zygote, ("init", cfg), [self._shared.fd(k) for k in keys], deadline)
         for wid in range(num_workers):
-            zygote.conn.send(("fork", wid, num_workers, _wi.derive_seed(seed, wid)))
+            self._send(zygote, ("fork", wid, num_workers, _wi.derive_seed(seed, wid)), (), deadline)
         workers = []
-        deadline = time.monotonic() + self.timeout
         while len(workers) < num_workers:
             msg = self._recv_zygote(deadline)
             if msg[0] == "forked":
-                from kpipe._engine._worker import recv_fds
                 from multiprocessing.connection import Connection
 
                 _, wid, pid = msg
-                fd = recv_fds(zygote.conn, 1)[0]
+                fd = _wire.recv_fds(zygote.conn, 1)[0]
                 sentinel = None
                 if hasattr(os, "pidfd_open"):
                     try:
@@ -399,8 +464,8 @@ class ProcessBackend:
     def _recv_zygote(self, deadline):
         zygote = self._zygote
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            remaining = _wire.remaining(deadline)
+            if remaining is not None and remaining <= 0:
                 self._fail(BatchTimeoutError(f"kpipe's fork server did not start the workers of `{self.name}` within timeout={self.timeout} s."))
             ready = mp_connection.wait([zygote.conn] + ([zygote.sentinel] if zygote.sentinel is not None else []), remaining)
             if zygote.conn in ready:
@@ -433,57 +498,120 @@ class ProcessBackend:
         workers = self._workers
         proc = workers[seq % len(workers)]
         slot, _ = self._slots.acquire(proc.known_slots)
-        new = []
-        if slot not in proc.known_slots:
-            new.append(slot)
         in_info = in_slot = None
-        if inputs is not None:
-            treedef, leaves, _ = _tree.flatten(inputs, what="input")
-            layout = plan_layout(leaves)
-            in_slot, _ = self._slots.acquire(proc.known_slots)
-            self._slots.segments[in_slot].write(leaves, layout)
-            in_info = (in_slot, treedef, layout)
-            if in_slot not in proc.known_slots:
-                new.append(in_slot)
-        self._queue_drops()
-        drops, proc.drops = proc.drops, []
-        if proc.dead_error is None:
-            try:
-                proc.conn.send(("task", seq, key, slot, in_info, new, drops))
-                send_fds(proc.conn, [self._slots.segments[s].fd for s in new])
-            except OSError:  # it died; get(seq) raises once the consumer needs this batch
-                proc.dead_error = self._died(proc, key)
-        proc.known_slots.update(new)
-        proc.known_slots.difference_update(drops)
-        proc.pending.append(seq)
+        try:
+            if inputs is not None:
+                treedef, leaves, _ = _tree.flatten(inputs, what="input")
+                layout = plan_layout(leaves)
+                in_slot, _ = self._slots.acquire(proc.known_slots)
+                self._slots.segments[in_slot].write(leaves, layout)
+                in_info = (in_slot, treedef, layout)
+        except BaseException:
+            for s in (slot, in_slot):
+                if s is not None:
+                    self._slots.release(s)
+            raise
         self._tasks[seq] = _Task(proc, key, slot, in_slot)
+        if proc.dead_error is None:
+            task_slots = [slot] if in_slot is None else [slot, in_slot]
+            fd_slots, close = self._slot_fds(proc, task_slots)
+            self._queue_drops()
+            drops, proc.drops = proc.drops, []
+            msg = ("task", seq, key, slot, in_info, fd_slots, close, drops)
+            # A failure is raised by get(seq), when the consumer reaches this batch: the
+            # batches before it (perhaps from other workers) are still delivered.
+            fds = [self._slots.segments[s].fd for s in fd_slots]
+            if self._send(proc, msg, fds, _wire.deadline_after(self.timeout), key=key, defer=True):
+                proc.known_slots.update(task_slots)
+                proc.known_slots.difference_update(drops)
+        proc.pending.append(seq)
         return seq
+
+    def _slot_fds(self, proc, task_slots):
+        """Which of `task_slots` need their descriptor sent to `proc`, and which held
+        descriptors it must close to stay within `_WORKER_SLOT_FDS` (oldest first)."""
+        held = proc.fd_slots
+        send = [s for s in task_slots if s not in held]
+        for s in task_slots:
+            held[s] = None
+            held.move_to_end(s)
+        close = []
+        while len(held) > max(_WORKER_SLOT_FDS, len(task_slots)):
+            close.append(held.popitem(last=False)[0])
+        return send, close
 
     def _queue_drops(self):
         for slot in self._slots.take_retired():
             for p in self._procs:
                 if slot in p.known_slots:
                     p.drops.append(slot)
+                    p.fd_slots.pop(slot, None)
+
+    def _send(self, proc, msg, fds=(), deadline=None, key=None, defer=False):
+        """Sends `msg` (and `fds`) to `proc` within `deadline`; returns True if sent.
+
+        A dead worker is a WorkerDiedError, a socket still full at the deadline a
+        BatchTimeoutError (the worker no longer reads). Either stops the pool when raised;
+        with `defer`, it is kept as the worker's `dead_error` instead, for `get` to raise.
+        """
+        try:
+            _wire.send(proc.conn, msg, fds, deadline)
+            return True
+        except _wire.SendTimeout:
+            error = self._send_timed_out(proc, msg[0], key)
+        except (OSError, EOFError, ValueError) as exc:  # BrokenPipe, ConnectionReset, closed
+            if is_fd_exhaustion(exc):
+                self._fail(fd_limit_error(exc, f"send a message to worker {proc.id} of `{self.name}`"))
+            error = self._died(proc, key, doing=msg[0])
+        except BaseException:  # Ctrl-C mid-write: the message may be torn
+            self.close(force=True)
+            raise
+        proc.dead_error = proc.dead_error or error
+        if not defer:
+            self._fail(proc.dead_error)
+        return False
+
+    def _send_timed_out(self, proc, kind, key):
+        busy = next((self._tasks[s].key for s in proc.pending if s != "state" and s in self._tasks and self._tasks[s].key != key), None)
+        what = {"init": f"`{self.name}` to start", "state": f"the new state of `{self.name}` (after on_epoch_end)"}.get(
+            kind, f"batch {key} of `{self.name}`" if key is not None else f"a task of `{self.name}`"
+        )
+        who = "kpipe's fork server" if getattr(proc, "is_zygote", False) else f"Worker {proc.id}"
+        doing = f"it is still loading batch {busy}" if busy is not None else "it does not read its socket"
+        return BatchTimeoutError(
+            f"{who} (pid {proc.pid}) did not take {what} within timeout={self.timeout} s: {doing}. "
+            "If batches are legitimately this slow, raise `timeout`; otherwise look for a hang in "
+            "__getitem__ (a deadlock, a stuck read). The loader stopped its workers; using it again "
+            "starts new ones."
+        )
 
     def get(self, seq, on_starved=None):
         """Waits for task `seq`; returns `(tree, treedef, meta)`, meta = [(dtype_str, shape)].
 
         `on_starved()`, if given, is called (once) if a live worker runs out of tasks
-        while this one is still loading: the caller may submit more.
+        while this one is still loading: the caller may submit more. If the wait is
+        interrupted (Ctrl-C), the task is discarded and its slot freed when it arrives.
         """
         self._check_open()
-        deadline = time.monotonic() + self.timeout
-        while seq not in self._results:
-            owner = self._tasks[seq].worker
-            if owner.dead_error is not None:
-                self._fail(owner.dead_error)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._fail(self._timed_out(seq))
-            self._pump(remaining)
-            if on_starved is not None and seq not in self._results and any(not p.pending and p.dead_error is None for p in self._workers):
-                on_starved, starved = None, on_starved
-                starved()
+        deadline = _wire.deadline_after(self.timeout)
+        try:
+            while seq not in self._results:
+                owner = self._tasks[seq].worker
+                if owner.dead_error is not None:
+                    self._fail(owner.dead_error)
+                remaining = _wire.remaining(deadline)
+                if remaining is not None and remaining <= 0:
+                    self._fail(self._timed_out(seq))
+                self._pump(remaining)
+                if on_starved is not None and seq not in self._results and any(not p.pending and p.dead_error is None for p in self._workers):
+                    on_starved, starved = None, on_starved
+                    starved()
+        except Exception:
+            raise
+        except BaseException:  # KeyboardInterrupt: nobody will ask for this batch again
+            if not self.closed:
+                self.discard(seq)
+            raise
         result = self._results.pop(seq)
         task = self._tasks.pop(seq)
         if task.in_slot is not None:
@@ -519,24 +647,38 @@ class ProcessBackend:
     def reset_target(self, target):
         """Sends a new version of the target (e.g. after `on_epoch_end`) to every worker.
 
-        Call it with no task in flight. Waits until every worker has loaded it.
+        Call it with no task in flight. Waits until every worker has loaded it. Shared
+        arrays the new version no longer holds (replaced rather than edited) are freed
+        here and dropped by every worker. Sending and waiting together take at most
+        `timeout`.
+
+        Raises:
+            BatchTimeoutError: a worker did not take or load the new state in time.
+            WorkerDiedError: a worker is dead (e.g. it died between batches).
         """
         self._check_open()
+        deadline = _wire.deadline_after(self.timeout)
+        for p in self._workers:
+            if p.dead_error is not None:
+                self._fail(p.dead_error)
         payload, keys = _pickling.dumps(target, self._shared, what=f"`{self.name}`")
         for p in self._workers:
             new = sorted(k for k in keys if k not in p.array_keys)
-            p.conn.send(("state", payload, new))
-            send_fds(p.conn, [self._shared.fd(k) for k in new])
-            p.array_keys |= set(new)
+            drop = sorted(p.array_keys - keys)
             p.pending.append("state")
-        deadline = time.monotonic() + self.timeout
+            self._send(p, ("state", payload, new, drop), [self._shared.fd(k) for k in new], deadline)
+            p.array_keys = set(keys)
+        self._shared.retain(keys)
         while any(p.pending for p in self._workers):
             dead = next((p for p in self._workers if p.dead_error is not None), None)
             if dead is not None:
                 self._fail(dead.dead_error)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._fail(BatchTimeoutError(f"Workers did not load the new state of `{self.name}` within timeout={self.timeout} s."))
+            remaining = _wire.remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                slow = [p for p in self._workers if "state" in p.pending]
+                self._fail(self._send_timed_out(slow[0], "state", None) if slow else BatchTimeoutError(
+                    f"Workers of `{self.name}` did not finish their batches within timeout={self.timeout} s."
+                ))
             self._pump(remaining)
 
     def _pump(self, timeout):
@@ -576,6 +718,8 @@ class ProcessBackend:
             self._exit_codes[msg[1]] = msg[2]
         elif kind in ("done", "error"):
             seq = msg[1]
+            if seq in self._tasks:
+                proc.last_key = self._tasks[seq].key
             if proc.pending and proc.pending[0] == seq:
                 proc.pending.popleft()
             else:
@@ -595,7 +739,7 @@ class ProcessBackend:
             self._fail(exc)
         # "ready" needs no action: tasks were queued behind init already.
 
-    def _died(self, proc, key=None):
+    def _died(self, proc, key=None, doing=None):
         code = proc.exitcode(1.0)
         proc.alive = False
         if getattr(proc, "is_zygote", False):
@@ -611,7 +755,9 @@ class ProcessBackend:
         elif key is not None:
             what = f"while loading batch {key} of `{self.name}`"
         else:
-            what = f"while idle (`{self.name}`)"
+            what = f"while idle, after loading batch {proc.last_key} of `{self.name}`" if proc.last_key is not None else f"while idle (`{self.name}`)"
+            if doing == "state":
+                what += " (found when sending it the new state of the dataset, after on_epoch_end)"
         return WorkerDiedError(f"Worker {proc.id} (pid {proc.pid}) {what}: it {describe_exit(code)}")
 
     def _timed_out(self, seq):
