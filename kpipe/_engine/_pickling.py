@@ -23,7 +23,6 @@ import pickle
 import sys
 import sysconfig
 import types
-import weakref
 
 import cloudpickle
 import numpy as np
@@ -45,8 +44,11 @@ class SharedArrays:
     """
 
     def __init__(self):
+        # A strong reference to each array (not a weak one: NumPy refuses to resize an
+        # array that has weak references). It keeps nothing alive for long: `retain` drops
+        # the entries of arrays the target no longer holds at the next `dumps`.
         self._by_id = {}  # id(array) -> key
-        self.entries = {}  # key -> [segment, weakref, layout]
+        self.entries = {}  # key -> [segment, array, layout]
         self._next = 0
 
     def put(self, arr):
@@ -57,8 +59,8 @@ class SharedArrays:
         """
         key = self._by_id.get(id(arr))
         if key is not None:
-            seg, ref, layout = self.entries[key]
-            if ref() is arr and plan_layout([arr]) == layout:
+            seg, held, layout = self.entries[key]
+            if held is arr and plan_layout([arr]) == layout:
                 view = seg.views(layout)[0]
                 if not np.array_equal(view, arr):
                     seg.write([arr], layout)
@@ -73,7 +75,7 @@ class SharedArrays:
         self._next += 1
         layout = plan_layout([arr])
         seg.write([arr], layout)
-        self.entries[key] = [seg, weakref.ref(arr), layout]
+        self.entries[key] = [seg, arr, layout]
         self._by_id[id(arr)] = key
         return key, True
 

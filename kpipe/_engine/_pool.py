@@ -13,7 +13,7 @@ Data flow for one task (`seq` increases by one per task; worker = seq % num_work
 the assignment -- and any per-worker randomness -- is reproducible):
 
     main: acquire slot S (a memfd; a free one W already maps if any) --task(seq, key, S)--> W
-                         [first use of S by W: the fd follows via SCM_RIGHTS]
+                         [S's fd follows via SCM_RIGHTS unless W holds it already]
     W:    out = target[key]; flatten; write leaves into S (grow S with ftruncate if needed;
           the pages W will write are mapped in one madvise(MADV_POPULATE_WRITE), not faulted)
     W:    --done(seq, treedef, layout)--> main      (arrays never go through the socket)
@@ -26,22 +26,55 @@ slot is created instead; idle slots beyond `keep_idle` are closed and workers ar
 unmap them with the next task they get. How many tasks are in flight is the owner's
 choice (`ProcessLoader` keeps two per worker and goes deeper, up to `max_queue_size`, when
 `get(seq, on_starved=...)` reports a worker idle behind a slow batch): each slot costs a
-batch of memory and, on first use, the kernel's zeroing of its pages.
+batch of memory and, on first use, the kernel's zeroing of its pages. A Ctrl-C while
+`get` waits discards that task: its slot is freed when the worker's answer arrives.
+
+Descriptors, bounded by what is alive:
+  main    one memfd per live slot (free, in flight or held by the consumer) and per
+          shared dataset array; mappings are made with libc mmap (`_shm.Mapping`), which
+          -- unlike Python's mmap.mmap -- keeps no duplicate descriptor, and are unmapped
+          when the last array viewing them dies. The soft RLIMIT_NOFILE is raised to the
+          hard limit once, when the first ProcessBackend starts; running out anyway is a
+          LoaderError naming the limit and `ulimit -n`, never a raw OSError(24).
+  worker  mappings of the slots it wrote, but descriptors for at most `_WORKER_SLOT_FDS`
+          of them: the task message names the descriptors to close (`_slot_fds`, least
+          recently used first) and carries the ones it needs, so a worker always holds the
+          descriptor of the slot it writes (to grow it) and held batches cost it none.
+          Shared dataset arrays are mapped once and their descriptors closed at once.
+  arrays  `reset_target` pickles the new target; arrays it no longer references (replaced
+          in `on_epoch_end`, or resized in place) are freed here (`SharedArrays.retain`)
+          and named in the `state` message, so each worker unmaps them too.
 
 Failures: every wait is `multiprocessing.connection.wait` on the worker sockets and
-process sentinels with a deadline. A worker exception comes back as data (type, message,
+process sentinels with a deadline, and so is every write: messages go out non-blocking,
+waiting for room in the socket with `poll` (`_wire.send`), because a worker stuck in
+`__getitem__` stops reading, and a large `init`/`state` payload would otherwise block the
+main process past any `timeout`. A worker exception comes back as data (type, message,
 traceback) and is re-raised for that batch; the pool stays usable. A dead worker (EOF
-on its socket or its sentinel fires) or a batch past `timeout` raises and breaks the
-pool: it is closed, and the owner starts a new one on next use.
+on its socket, its sentinel fires, or a write gets EPIPE/ECONNRESET), a batch past
+`timeout`, or a worker that takes no message before the deadline raises
+WorkerDiedError/BatchTimeoutError naming the worker and the batch, and breaks the pool:
+it is closed, and the owner starts a new one on next use. (A failed write of a task is
+raised by `get` of that task, so batches already made by other workers still arrive.)
 
 Shutdown (`close()`, `with`, garbage collection via `weakref.finalize`, interpreter exit,
-or a fatal error): send `stop` to every worker; join each for up to `_JOIN_TIMEOUT_S`;
-SIGTERM the ones still running (a stuck `__getitem__`), then SIGKILL after
-`_KILL_TIMEOUT_S`; reap every child; close sockets and segments. Workers ignore SIGINT
-(Ctrl-C reaches the whole process group; the main process decides) and exit on their own
-when their socket reaches EOF or their parent pid changes, so even a SIGKILLed main
-process leaves no worker behind for long. Shared memory is anonymous (memfd): it cannot
-outlive the processes that map it.
+or a fatal error): close our slot and array descriptors first (held batches keep their
+mappings; a process out of descriptors gets some back); send `stop` to every worker
+without waiting for socket room; join each for up to `_JOIN_TIMEOUT_S`; SIGTERM the ones
+still running (a stuck `__getitem__`), then SIGKILL after `_KILL_TIMEOUT_S`; reap every
+child; close sockets and sentinels. No step can raise.
+
+Parent death: workers ignore SIGINT (Ctrl-C reaches the whole process group; the main
+process decides) and must not outlive the main process, however it dies. Each worker
+and the fork server ask the kernel for SIGKILL when their parent dies
+(PR_SET_PDEATHSIG); forkserver workers ask it of the fork server, which asks it of the
+main process. The kernel's "parent" is the *thread* that forked the child, so processes
+are started from the main thread, or from kpipe's daemon spawner thread that lives as
+long as the process (`_start_process`) -- never from a short-lived thread, whose end
+would kill them. A watchdog thread in each worker also checks `os.getppid()` every
+`_worker._PARENT_POLL_S` (for systems without prctl), and workers exit when their socket
+reaches EOF. Shared memory is anonymous (memfd): it cannot outlive the processes that
+map it.
 """
 
 import collections
@@ -169,6 +202,16 @@ class _Proc:
             os.kill(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def release(self):
+        """Closes the socket and sentinel (after the process is reaped)."""
+        self.alive = False
+        _quietly(self.conn.close)
+        if isinstance(self.handle, (subprocess.Popen, _ZygoteChild)):
+            _close_fd(self.sentinel)  # our pidfd
+        else:  # multiprocessing owns a fork child's sentinel: closing it here closed it twice
+            _quietly(self.handle.close)
+        self.sentinel = None
 
 
 class _ZygoteChild:
@@ -360,10 +403,7 @@ def _shutdown(procs, slots, shared, force=False):
         if _quietly(p.exitcode, _KILL_TIMEOUT_S) is None:
             p.signal(signal.SIGKILL)
             _quietly(p.exitcode, _KILL_TIMEOUT_S)
-        p.alive = False
-        _quietly(p.conn.close)
-        _close_fd(p.sentinel)
-        p.sentinel = None
+        p.release()
     procs.clear()
 
 
@@ -748,16 +788,17 @@ class ProcessBackend:
                 "Its workers stop with it; using the loader again starts new ones."
             )
         running = next((s for s in proc.pending if s != "state"), None)
-        if running is not None and running in self._tasks:
-            key = self._tasks[running].key
+        loading = self._tasks[running].key if running in self._tasks else None
         if self._mode == "function" and running is not None:
             what = f"while running `{self.name}` on item {running}"
-        elif key is not None:
-            what = f"while loading batch {key} of `{self.name}`"
+        elif loading is not None:
+            what = f"while loading batch {loading} of `{self.name}`"
         else:
             what = f"while idle, after loading batch {proc.last_key} of `{self.name}`" if proc.last_key is not None else f"while idle (`{self.name}`)"
             if doing == "state":
                 what += " (found when sending it the new state of the dataset, after on_epoch_end)"
+            elif key is not None:
+                what += f" (found when sending it batch {key})"
         return WorkerDiedError(f"Worker {proc.id} (pid {proc.pid}) {what}: it {describe_exit(code)}")
 
     def _timed_out(self, seq):
@@ -825,18 +866,18 @@ class ThreadBackend:
 
     def get(self, seq, on_starved=None):
         key, fut = self._futures.pop(seq)
-        deadline = time.monotonic() + self.timeout
+        deadline = _wire.deadline_after(self.timeout)  # None: no limit
         while on_starved is not None and not fut.done():
             # Wake at each completion: has a thread run out of work while `fut` loads?
             others = [f for _, f in self._futures.values() if not f.done()]
-            concurrent.futures.wait([fut] + others, max(0.0, deadline - time.monotonic()), concurrent.futures.FIRST_COMPLETED)
-            if time.monotonic() >= deadline:
+            concurrent.futures.wait([fut] + others, _wire.remaining(deadline), concurrent.futures.FIRST_COMPLETED)
+            if deadline is not None and time.monotonic() >= deadline:
                 break
             if not fut.done() and 1 + sum(not f.done() for _, f in self._futures.values()) < self._num_workers:
                 on_starved, starved = None, on_starved
                 starved()
         try:
-            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            return fut.result(timeout=_wire.remaining(deadline))
         except concurrent.futures.TimeoutError:
             self.close()
             raise BatchTimeoutError(
