@@ -200,6 +200,7 @@ def _run_fd_limit_script(soft, which, start_method):
     return out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 @pytest.mark.parametrize("start_method", START_METHODS)
 def test_1500_held_batches_under_a_1024_soft_limit(start_method):
@@ -216,6 +217,7 @@ def test_1500_held_batches_under_a_1024_soft_limit(start_method):
     assert max(worker_fds) < 30, out  # a few sockets and slot descriptors, not one per batch
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 def test_running_out_of_descriptors_raises_a_named_error_and_close_succeeds():
     out = _run_fd_limit_script(1024, "hard", "forkserver")

@@ -60,8 +60,8 @@ raised by `get` of that task, so batches already made by other workers still arr
 Shutdown (`close()`, `with`, garbage collection via `weakref.finalize`, interpreter exit,
 or a fatal error): close our slot and array descriptors first (held batches keep their
 mappings; a process out of descriptors gets some back); send `stop` to every worker
-without waiting for socket room; join each for up to `_JOIN_TIMEOUT_S`; SIGTERM the ones
-still running (a stuck `__getitem__`), then SIGKILL after `_KILL_TIMEOUT_S`; reap every
+without waiting for socket room; join each for up to `_procs.JOIN_TIMEOUT_S`; SIGTERM the ones
+still running (a stuck `__getitem__`), then SIGKILL after `_procs.KILL_TIMEOUT_S`; reap every
 child; close sockets and sentinels. No step can raise.
 
 Parent death: workers ignore SIGINT (Ctrl-C reaches the whole process group; the main
@@ -70,7 +70,7 @@ and the fork server ask the kernel for SIGKILL when their parent dies
 (PR_SET_PDEATHSIG); forkserver workers ask it of the fork server, which asks it of the
 main process. The kernel's "parent" is the *thread* that forked the child, so processes
 are started from the main thread, or from kpipe's daemon spawner thread that lives as
-long as the process (`_start_process`) -- never from a short-lived thread, whose end
+long as the process (`_procs.start_process`) -- never from a short-lived thread, whose end
 would kill them. A watchdog thread in each worker also checks `os.getppid()` every
 `_worker._PARENT_POLL_S` (for systems without prctl), and workers exit when their socket
 reaches EOF. Shared memory is anonymous (memfd): it cannot outlive the processes that
@@ -81,19 +81,17 @@ import collections
 import concurrent.futures
 import itertools
 import os
-import queue
-import signal
-import subprocess
 import sys
 import threading
 import time
 import weakref
 from multiprocessing import connection as mp_connection
 
-import kpipe
-from kpipe._engine import _pickling, _tree, _wire
+from kpipe._engine import _pickling, _procs, _tree, _wire
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._shm import SlotPool, fd_limit_error, is_fd_exhaustion, plan_layout, raise_fd_limit
+from kpipe._engine._procs import WORKER_ENV as _WORKER_ENV  # noqa: F401 (scripts/bench_loaders.py)
+from kpipe._engine._procs import describe_exit
 from kpipe._engine._worker import pack_exception
 from kpipe.errors import (
     BatchTimeoutError,
@@ -102,16 +100,10 @@ from kpipe.errors import (
     WorkerDiedError,
 )
 
-_JOIN_TIMEOUT_S = 2.0
-_KILL_TIMEOUT_S = 2.0
-_SPAWN_TIMEOUT_S = 60.0
 # Slot descriptors a worker may hold at once (it keeps the mappings of all its slots):
 # enough for the few slots it cycles through, independent of how many batches are held.
 _WORKER_SLOT_FDS = 4
 _START_METHODS = ("forkserver", "spawn", "fork")
-# glibc keeps freed big buffers (up to 32 MiB) instead of unmapping them, so a worker that
-# allocates a fresh batch array per call reuses warm pages instead of page-faulting.
-_WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 _Task = collections.namedtuple("_Task", "worker key slot in_slot")
 
 
@@ -148,265 +140,6 @@ def rebuild_exception(packed, where):
     return exc
 
 
-def describe_exit(code):
-    if code is None:
-        return "exited (exit code unknown)"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = {
-            signal.SIGKILL: " It was killed, often by the kernel's out-of-memory killer; lower "
-            "`max_queue_size` or `workers`, or check the dataset for memory growth.",
-            signal.SIGSEGV: " It crashed in native code (a segmentation fault), e.g. in a C "
-            "extension used by __getitem__.",
-        }.get(-code, "")
-        return f"was killed by {name} (exit code {code}).{hint}"
-    return (
-        f"exited with code {code}. Something in the dataset ended the process (sys.exit, "
-        "os._exit); raise an exception instead so it can be reported."
-    )
-
-
-class _Proc:
-    """One worker process as seen from the main process."""
-
-    def __init__(self, wid, conn, pid, handle, sentinel):
-        self.id = wid
-        self.conn = conn
-        self.pid = pid
-        self.handle = handle  # subprocess.Popen or multiprocessing.Process
-        self.sentinel = sentinel  # waitable fd or None
-        self.known_slots = set()  # slots this worker has mapped
-        self.fd_slots = collections.OrderedDict()  # slots whose descriptor it holds, oldest first
-        self.drops = []
-        self.pending = collections.deque()  # seqs sent, not answered, in order
-        self.array_keys = set()  # shared dataset arrays whose fds this worker holds
-        self.alive = True
-        self.dead_error = None  # set when the worker is found dead
-        self.last_key = None  # the last batch it delivered (or failed)
-
-    def exitcode(self, wait_s=0.0):
-        h = self.handle
-        if isinstance(h, (subprocess.Popen, _ZygoteChild)):
-            try:
-                return h.wait(timeout=wait_s) if wait_s else h.poll()
-            except subprocess.TimeoutExpired:
-                return None
-        h.join(wait_s if wait_s else 0)
-        return h.exitcode
-
-    def signal(self, sig):
-        try:
-            os.kill(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def release(self):
-        """Closes the socket and sentinel (after the process is reaped)."""
-        self.alive = False
-        _quietly(self.conn.close)
-        if isinstance(self.handle, (subprocess.Popen, _ZygoteChild)):
-            _close_fd(self.sentinel)  # our pidfd
-        else:  # multiprocessing owns a fork child's sentinel: closing it here closed it twice
-            _quietly(self.handle.close)
-        self.sentinel = None
-
-
-class _ZygoteChild:
-    """A worker forked by the fork server: Popen-like `poll`/`wait`. Its exit code comes
-    from the server's ("exited", pid, code) messages (only a parent can reap a child)."""
-
-    def __init__(self, pid, zygote_conn, codes):
-        self.pid = pid
-        self._conn = zygote_conn
-        self._codes = codes
-
-    def _drain(self):
-        if self._codes.get("eof"):
-            return
-        try:
-            while self._conn.poll():
-                msg = self._conn.recv()
-                if msg[0] == "exited":
-                    self._codes[msg[1]] = msg[2]
-        except (EOFError, OSError, ValueError):
-            self._codes["eof"] = True  # the server is gone: no more codes will come
-
-    def _gone(self):
-        import psutil
-
-        try:
-            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    def _wait_code(self, wait_s):
-        deadline = time.monotonic() + wait_s
-        while self.pid not in self._codes and not self._codes.get("eof") and time.monotonic() < deadline:
-            try:
-                if self._conn.poll(0.01):
-                    self._drain()
-            except (OSError, ValueError):
-                break
-        return self._codes.get(self.pid)
-
-    def poll(self):
-        self._drain()
-        if self.pid in self._codes:
-            return self._codes[self.pid]
-        if self._gone():
-            code = self._wait_code(0.5)
-            return -1 if code is None else code
-        return None
-
-    def wait(self, timeout=None):
-        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
-        while True:
-            self._drain()
-            if self.pid in self._codes:
-                return self._codes[self.pid]
-            if self._gone():
-                return self._wait_code(1.0)  # the server reaps it and reports the code
-            if time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired("kpipe-worker", timeout)
-            time.sleep(0.005)
-
-
-_spawner_lock = threading.Lock()
-_spawner_queue = None
-
-
-def _spawner_loop(requests):
-    while True:
-        fn, args, future = requests.get()
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-
-def _reset_spawner():
-    global _spawner_queue
-    _spawner_queue = None  # a forked child has no spawner thread: start one on demand
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_spawner)
-
-
-def _start_process(fn, *args):
-    """Runs `fn(*args)` (which starts a worker process) in a thread that lives as long as
-    this process: the main thread, or else kpipe's daemon spawner thread.
-
-    Workers ask the kernel to kill them when their parent dies (PR_SET_PDEATHSIG), and
-    the kernel's "parent" is the *thread* that forked them: a worker started from a
-    thread that ends sooner (a Keras or TensorFlow pool thread, a ThreadPoolExecutor)
-    would be killed with it.
-    """
-    global _spawner_queue
-    if threading.current_thread() is threading.main_thread():
-        return fn(*args)
-    with _spawner_lock:
-        if _spawner_queue is None:
-            _spawner_queue = queue.SimpleQueue()
-            threading.Thread(target=_spawner_loop, args=(_spawner_queue,), name="kpipe-spawner", daemon=True).start()
-        requests = _spawner_queue
-    future = concurrent.futures.Future()
-    requests.put((fn, args, future))
-    try:
-        return future.result(timeout=_SPAWN_TIMEOUT_S)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
-        raise LoaderError(f"kpipe could not start a worker process within {_SPAWN_TIMEOUT_S:.0f} s.") from None
-
-
-def _spawn_exec(wid, parent_pid, entry="_exec_main"):
-    """Starts a fresh interpreter running `kpipe._engine._worker.<entry>`; it never
-    re-imports `__main__` (unlike multiprocessing's spawn), so a script's top-level
-    `import tensorflow` does not run again in workers."""
-    import socket
-    from multiprocessing.connection import Connection
-
-    ours, theirs = socket.socketpair()
-    env = dict(os.environ, **_WORKER_ENV)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    code = f"from kpipe._engine._worker import {entry}; {entry}()"
-    try:
-        popen = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno()), str(parent_pid)],
-            pass_fds=(theirs.fileno(),),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-    finally:
-        theirs.close()
-    sentinel = None
-    if hasattr(os, "pidfd_open"):
-        try:
-            sentinel = os.pidfd_open(popen.pid)
-        except OSError:
-            sentinel = None
-    return _Proc(wid, Connection(ours.detach()), popen.pid, popen, sentinel)
-
-
-def _spawn_fork(wid, parent_pid):
-    import multiprocessing
-
-    from kpipe._engine._worker import _fork_main
-
-    ctx = multiprocessing.get_context("fork")
-    ours, theirs = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=_fork_main, args=(theirs, parent_pid), daemon=True, name=f"kpipe-worker-{wid}")
-    proc.start()
-    theirs.close()
-    return _Proc(wid, ours, proc.pid, proc, proc.sentinel)
-
-
-def _close_fd(fd):
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def _quietly(fn, *args):
-    try:
-        return fn(*args)
-    except Exception:  # shutdown must finish whatever fails (no fds left, a reaped pid)
-        return None
-
-
-def _shutdown(procs, slots, shared, force=False):
-    """Stops and reaps workers, then frees shared memory. Safe to call twice; never raises.
-
-    Our descriptors go first: batches still held keep their mappings (not descriptors),
-    workers keep their own, and a process that ran out of descriptors gets some back for
-    the rest of the shutdown.
-    """
-    _quietly(slots.close)
-    _quietly(shared.close)
-    if not force:
-        now = time.monotonic()
-        for p in procs:
-            if p.alive:  # never waits: a worker whose socket is full is stopped by signal
-                _quietly(_wire.send, p.conn, ("stop",), (), now)
-    deadline = time.monotonic() + (0 if force else _JOIN_TIMEOUT_S)
-    for p in procs:
-        if _quietly(p.exitcode, max(0.0, deadline - time.monotonic()) or 0.001) is None:
-            p.signal(signal.SIGTERM)
-    for p in procs:
-        if _quietly(p.exitcode, _KILL_TIMEOUT_S) is None:
-            p.signal(signal.SIGKILL)
-            _quietly(p.exitcode, _KILL_TIMEOUT_S)
-        p.release()
-    procs.clear()
-
-
 class ProcessBackend:
     """Runs `target[key]` (mode "dataset") or `target(inputs)` (mode "function") in worker
     processes. Used from one thread at a time."""
@@ -431,7 +164,7 @@ class ProcessBackend:
         self._slots = SlotPool(keep_idle=keep_idle)
         self._shared = _pickling.SharedArrays()
         self._procs = []
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._slots, self._shared)
+        self._finalizer = weakref.finalize(self, _procs.shutdown, self._procs, self._slots, self._shared)
         self._results = {}
         self._tasks = {}
         self._discarded = set()
@@ -439,12 +172,12 @@ class ProcessBackend:
         self._exit_codes = {}
         self._zygote = None
         self.closed = False
-        spawn = _spawn_exec if start_method == "spawn" else _spawn_fork
+        spawn = _procs.spawn_exec if start_method == "spawn" else _procs.spawn_fork
         try:
             if start_method == "forkserver":
                 # Start the server first: its interpreter and imports (~0.2 s) overlap
                 # with pickling the dataset here.
-                self._zygote = _start_process(_spawn_exec, -1, os.getpid(), "_zygote_main")
+                self._zygote = _procs.start_process(_procs.spawn_exec, -1, os.getpid(), "_zygote_main")
                 self._zygote.is_zygote = True
                 self._procs.append(self._zygote)  # last in the list: stopped after the workers
             payload, keys = _pickling.dumps(target, self._shared, what=f"`{name}`")
@@ -453,7 +186,7 @@ class ProcessBackend:
                 self._start_forked(num_workers, seed, mode, payload, keys)
                 return
             for wid in range(num_workers):  # all start at once; each reads its init when up
-                self._procs.append(_start_process(spawn, wid, os.getpid()))
+                self._procs.append(_procs.start_process(spawn, wid, os.getpid()))
             deadline = _wire.deadline_after(self.timeout)
             for proc in self._procs:
                 cfg = {
@@ -495,7 +228,7 @@ class ProcessBackend:
                         sentinel = os.pidfd_open(pid)
                     except OSError:
                         sentinel = None
-                proc = _Proc(wid, Connection(fd), pid, _ZygoteChild(pid, zygote.conn, self._exit_codes), sentinel)
+                proc = _procs.Proc(wid, Connection(fd), pid, _procs.ZygoteChild(pid, zygote.conn, self._exit_codes), sentinel)
                 proc.array_keys = set(keys)
                 workers.append(proc)
         workers.sort(key=lambda p: p.id)
@@ -823,7 +556,7 @@ class ProcessBackend:
     def close(self, force=False):
         self.closed = True
         if force:
-            _shutdown(self._procs, self._slots, self._shared, force=True)
+            _procs.shutdown(self._procs, self._slots, self._shared, force=True)
         self._finalizer()
 
 
