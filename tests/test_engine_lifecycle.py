@@ -418,3 +418,48 @@ def test_no_timeout_means_waiting_without_limit(timeout, no_leaks):
         assert int(backend.get(backend.submit(0))[0][0][0]) == int(ds.indexes[0])
     finally:
         backend.close()
+
+
+# ------------------------------------------------------------------- the wire itself
+def test_wire_send_honours_its_deadline_and_passes_descriptors():
+    import socket
+    from multiprocessing.connection import Connection
+
+    from kpipe._engine import _wire
+
+    a, b = socket.socketpair()
+    sender, receiver = Connection(a.detach()), Connection(b.detach())
+    fd = os.memfd_create("kpipe-test")
+    try:
+        os.ftruncate(fd, 12345)
+        _wire.send(sender, ("hello", 1), [fd], _wire.deadline_after(5.0))
+        assert receiver.recv() == ("hello", 1)
+        (got,) = _wire.recv_fds(receiver, 1)
+        assert os.fstat(got).st_size == 12345 and got != fd
+        os.close(got)
+        with pytest.raises(_wire.SendTimeout):  # nobody reads: the buffer fills, the deadline passes
+            _wire.send(sender, bytes(16 << 20), (), _wire.deadline_after(0.3))
+        assert _wire.deadline_after(None) is None and _wire.deadline_after(float("inf")) is None
+    finally:
+        os.close(fd)
+        sender.close()
+        receiver.close()
+
+
+def test_ctrl_c_while_a_state_send_waits_stops_the_pool_cleanly(no_leaks):
+    ds = StuckWithBigState(hang_at=1)
+    backend = _backend(ds, "spawn", timeout=60.0)
+    main = threading.get_ident()
+    try:
+        backend.get(backend.submit(0))
+        backend.discard(backend.submit(1))  # worker 1 hangs and stops reading
+        ds.on_epoch_end()
+        timer = threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt) as info:
+            backend.reset_target(ds)  # blocked on worker 1's full socket
+        timer.join()
+        assert getattr(info.value, "kpipe_torn", False)  # half of 8 MB went out...
+        assert backend.closed  # ...so the pool cannot be trusted and stopped
+    finally:
+        backend.close()

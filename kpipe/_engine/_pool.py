@@ -294,7 +294,19 @@ class ProcessBackend:
             # A failure is raised by get(seq), when the consumer reaches this batch: the
             # batches before it (perhaps from other workers) are still delivered.
             fds = [self._slots.segments[s].fd for s in fd_slots]
-            if self._send(proc, msg, fds, _wire.deadline_after(self.timeout), key=key, defer=True):
+            try:
+                sent = self._send(proc, msg, fds, _wire.deadline_after(self.timeout), key=key, defer=True)
+            except BaseException:  # interrupted before the task was written: forget it
+                if not self.closed:
+                    for s in fd_slots:
+                        proc.fd_slots.pop(s, None)
+                    for s in close:  # the worker still holds these
+                        proc.fd_slots[s] = None
+                        proc.fd_slots.move_to_end(s, last=False)
+                    proc.drops.extend(drops)
+                    self._release_task(seq)
+                raise
+            if sent:
                 proc.known_slots.update(task_slots)
                 proc.known_slots.difference_update(drops)
         proc.pending.append(seq)
@@ -336,8 +348,9 @@ class ProcessBackend:
             if is_fd_exhaustion(exc):
                 self._fail(fd_limit_error(exc, f"send a message to worker {proc.id} of `{self.name}`"))
             error = self._died(proc, key, doing=msg[0])
-        except BaseException:  # Ctrl-C mid-write: the message may be torn
-            self.close(force=True)
+        except BaseException as exc:  # Ctrl-C while waiting for room in the socket
+            if getattr(exc, "kpipe_torn", False):  # half a message: the stream is lost
+                self.close(force=True)
             raise
         proc.dead_error = proc.dead_error or error
         if not defer:

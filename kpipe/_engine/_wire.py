@@ -62,6 +62,10 @@ def _wait_writable(sock, deadline):
 def send(conn, obj, fds=(), deadline=None):
     """Sends `obj` (as `conn.send` would) and then `fds`, never blocking past `deadline`.
 
+    An exception other than these (Ctrl-C while waiting for room) gets the attribute
+    `kpipe_torn = True` if part of the message was already written: the stream is then
+    unusable. Without it, nothing was written.
+
     Raises:
         SendTimeout: the deadline passed (the stream is then unusable).
         BrokenPipeError, ConnectionResetError: the peer is gone.
@@ -70,12 +74,14 @@ def send(conn, obj, fds=(), deadline=None):
     n = len(payload)
     header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!i", -1) + struct.pack("!Q", n)
     sock = _socket_of(conn)
+    written = False
     try:
         for chunk in (header, payload):
             view = memoryview(chunk)
             while len(view):
                 try:
                     view = view[sock.send(view, _MSG_FLAGS) :]
+                    written = True
                 except (BlockingIOError, InterruptedError):
                     _wait_writable(sock, deadline)
         if fds:
@@ -87,6 +93,10 @@ def send(conn, obj, fds=(), deadline=None):
                     break
                 except (BlockingIOError, InterruptedError):
                     _wait_writable(sock, deadline)
+    except BaseException as exc:
+        if written and not isinstance(exc, (SendTimeout, OSError)):
+            exc.kpipe_torn = True
+        raise
     finally:
         sock.detach()
 
