@@ -331,3 +331,49 @@ def test_dataset_that_fails_to_load_in_workers_is_reported(start_method, no_leak
             loader[0]
         finally:
             loader.close()
+
+
+# --------------------------------------------------- issue 10: engine failure modes
+@pytest.mark.parametrize("kw", [dict(workers=2), dict(workers=2, start_method="spawn"), dict(workers=2, use_threads=True), dict(workers=0)])
+def test_batches_of_zero_rows_load_in_fresh_slots(kw, no_leaks):
+    from _engine_datasets import Empty
+
+    ds = Empty()
+    with kpipe.ProcessLoader(ds, max_queue_size=4, **kw) as loader:
+        for i in range(len(ds)):
+            got, want = loader[i], ds[i]
+            assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+            assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_ctrl_c_during_a_batch_wait_keeps_the_loader_usable(no_leaks):
+    import threading
+
+    from _engine_datasets import Slow
+
+    with kpipe.ProcessLoader(Slow(slow=1, seconds=1.5), workers=2) as loader:
+        assert float(loader[0][0]) == 0.0
+        timer = threading.Timer(0.3, signal.pthread_kill, (threading.get_ident(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            loader[1]
+        timer.join()
+        assert float(loader[1][0]) == 1.0 and float(loader[2][0]) == 2.0
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_worker_dead_between_batches_makes_on_epoch_end_raise_worker_died(start_method, no_leaks):
+    from _engine_datasets import Replacing
+
+    loader = kpipe.ProcessLoader(Replacing(), workers=2, start_method=start_method)
+    try:
+        for i in range(len(loader)):
+            loader[i]
+        victim = loader.stats()["pids"][1]
+        os.kill(victim, signal.SIGKILL)
+        assert _gone([victim])
+        with pytest.raises(kpipe.WorkerDiedError, match=rf"Worker 1 \(pid {victim}\) while idle.*of `Replacing`.*SIGKILL"):
+            loader.on_epoch_end()
+        assert int(loader[0][1][0]) == 1  # new workers, with the new epoch's state
+    finally:
+        loader.close()

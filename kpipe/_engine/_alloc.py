@@ -26,10 +26,12 @@ class SlotAllocator:
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in np.atleast_1d(shape)) if not isinstance(shape, (int, np.integer)) else (int(shape),)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes == 0:  # nothing to share (e.g. a batch of 0 rows)
+            return np.empty(shape, dtype=dtype)
         offset = align(self.used)
         self.segment.reserve(offset + nbytes)
         mm = self.segment.mapping
-        base = np.frombuffer(mm, dtype=np.uint8).__array_interface__["data"][0]
+        base = self.segment.address
         if (base, len(mm)) not in self._maps:
             self._maps.append((base, len(mm)))
         self.used = offset + nbytes
@@ -37,7 +39,7 @@ class SlotAllocator:
 
     def offset_of(self, arr):
         """The slot offset of `arr` if it is a C-contiguous array inside the slot, else None."""
-        if not self._maps or not arr.flags.c_contiguous:
+        if not self._maps or not arr.flags.c_contiguous or arr.nbytes == 0:
             return None
         ptr = arr.__array_interface__["data"][0]
         for base, size in self._maps:

@@ -5,7 +5,8 @@
 * NumPy arrays of at least `SHARE_MIN_BYTES` are not pickled: they are copied once into a
   shared-memory segment and replaced by a reference; every worker maps the same pages
   read-only. Re-sending the dataset after `on_epoch_end` compares each array with its
-  shared copy and rewrites only what changed (in-place edits included).
+  shared copy and rewrites only what changed (in-place edits included); arrays the
+  dataset no longer holds (replaced, not edited) are freed in every process.
 * A dataset class from a user module that imports Keras or TensorFlow (the usual
   `class Images(keras.utils.PyDataset)` in `data.py`) is sent by value -- its code, not
   an import of its module -- and its `keras.utils.PyDataset` base is swapped for a
@@ -22,51 +23,70 @@ import pickle
 import sys
 import sysconfig
 import types
-import weakref
 
 import cloudpickle
 import numpy as np
 
 from kpipe._engine import _pydataset_shim
-from kpipe._engine._shm import Segment, plan_layout
-from kpipe.errors import DatasetPicklingError
+from kpipe._engine._shm import Segment, fd_limit_error, is_fd_exhaustion, plan_layout
+from kpipe.errors import DatasetPicklingError, LoaderError
 
 SHARE_MIN_BYTES = 1 << 20
 _OK_KINDS = frozenset("biufc")
 
 
 class SharedArrays:
-    """Main-process registry of dataset arrays living in shared memory. Not thread-safe."""
+    """Main-process registry of dataset arrays living in shared memory. Not thread-safe.
+
+    An entry lives as long as the target uses its array: after each `dumps`, `retain`
+    frees the entries that the new pickle no longer references (an array replaced in
+    `on_epoch_end`, say), and workers are told to drop them too.
+    """
 
     def __init__(self):
+        # A strong reference to each array (not a weak one: NumPy refuses to resize an
+        # array that has weak references). It keeps nothing alive for long: `retain` drops
+        # the entries of arrays the target no longer holds at the next `dumps`.
         self._by_id = {}  # id(array) -> key
-        self.entries = {}  # key -> [segment, weakref-or-None, layout]
+        self.entries = {}  # key -> [segment, array, layout]
         self._next = 0
 
     def put(self, arr):
-        """Returns `(key, is_new)`; (re)writes the shared copy only when it differs."""
+        """Returns `(key, is_new)`; (re)writes the shared copy only when it differs.
+
+        A shared copy never changes size: an array whose shape or dtype changed in place
+        gets a new entry (workers map each entry once, and keep no descriptor for it).
+        """
         key = self._by_id.get(id(arr))
         if key is not None:
-            seg, ref, layout = self.entries[key]
-            if ref is not None and ref() is arr:
-                new_layout = plan_layout([arr])
-                view = seg.views(layout)[0] if layout == new_layout else None
-                if view is None or not np.array_equal(view, arr):
-                    seg.write([arr], new_layout)
-                    self.entries[key][2] = new_layout
+            seg, held, layout = self.entries[key]
+            if held is arr and plan_layout([arr]) == layout:
+                view = seg.views(layout)[0]
+                if not np.array_equal(view, arr):
+                    seg.write([arr], layout)
                 return key, False
         key = f"a{self._next}"
+        try:
+            seg = Segment.create(arr.nbytes, name="kpipe-array")
+        except OSError as exc:
+            if is_fd_exhaustion(exc):
+                raise fd_limit_error(exc, f"share a {arr.nbytes}-byte array of the dataset with its workers") from exc
+            raise
         self._next += 1
-        seg = Segment.create(arr.nbytes, name="kpipe-array")
         layout = plan_layout([arr])
         seg.write([arr], layout)
-        try:
-            ref = weakref.ref(arr)
-        except TypeError:
-            ref = None
-        self.entries[key] = [seg, ref, layout]
+        self.entries[key] = [seg, arr, layout]
         self._by_id[id(arr)] = key
         return key, True
+
+    def retain(self, keys):
+        """Frees every entry not in `keys` (the keys of the latest `dumps`); returns them."""
+        dropped = [k for k in self.entries if k not in keys]
+        for key in dropped:
+            self.entries.pop(key)[0].close()
+        if dropped:
+            self._by_id = {i: k for i, k in self._by_id.items() if k in self.entries}
+        return dropped
 
     def layout(self, key):
         return self.entries[key][2]
@@ -174,9 +194,11 @@ def dumps(obj, shared=None, what=None):
             "only the path in __init__ (e.g. self._h5 = None) and in __getitem__ do "
             "`if self._h5 is None: self._h5 = h5py.File(self.path, 'r')`."
         ) from None
-    except DatasetPicklingError:
+    except LoaderError:  # DatasetPicklingError, or out of file descriptors
         raise
     except Exception as exc:
+        if is_fd_exhaustion(exc):
+            raise fd_limit_error(exc, f"send {what} to its workers") from exc
         raise DatasetPicklingError(
             f"{what} cannot be pickled to send it to worker processes: "
             f"{type(exc).__name__}: {exc}. Objects such as open files, locks, sockets or "

@@ -13,7 +13,7 @@ Data flow for one task (`seq` increases by one per task; worker = seq % num_work
 the assignment -- and any per-worker randomness -- is reproducible):
 
     main: acquire slot S (a memfd; a free one W already maps if any) --task(seq, key, S)--> W
-                         [first use of S by W: the fd follows via SCM_RIGHTS]
+                         [S's fd follows via SCM_RIGHTS unless W holds it already]
     W:    out = target[key]; flatten; write leaves into S (grow S with ftruncate if needed;
           the pages W will write are mapped in one madvise(MADV_POPULATE_WRITE), not faulted)
     W:    --done(seq, treedef, layout)--> main      (arrays never go through the socket)
@@ -26,41 +26,73 @@ slot is created instead; idle slots beyond `keep_idle` are closed and workers ar
 unmap them with the next task they get. How many tasks are in flight is the owner's
 choice (`ProcessLoader` keeps two per worker and goes deeper, up to `max_queue_size`, when
 `get(seq, on_starved=...)` reports a worker idle behind a slow batch): each slot costs a
-batch of memory and, on first use, the kernel's zeroing of its pages.
+batch of memory and, on first use, the kernel's zeroing of its pages. A Ctrl-C while
+`get` waits discards that task: its slot is freed when the worker's answer arrives.
+
+Descriptors, bounded by what is alive:
+  main    one memfd per live slot (free, in flight or held by the consumer) and per
+          shared dataset array; mappings are made with libc mmap (`_shm.Mapping`), which
+          -- unlike Python's mmap.mmap -- keeps no duplicate descriptor, and are unmapped
+          when the last array viewing them dies. The soft RLIMIT_NOFILE is raised to the
+          hard limit once, when the first ProcessBackend starts; running out anyway is a
+          LoaderError naming the limit and `ulimit -n`, never a raw OSError(24).
+  worker  mappings of the slots it wrote, but descriptors for at most `_WORKER_SLOT_FDS`
+          of them: the task message names the descriptors to close (`_slot_fds`, least
+          recently used first) and carries the ones it needs, so a worker always holds the
+          descriptor of the slot it writes (to grow it) and held batches cost it none.
+          Shared dataset arrays are mapped once and their descriptors closed at once.
+  arrays  `reset_target` pickles the new target; arrays it no longer references (replaced
+          in `on_epoch_end`, or resized in place) are freed here (`SharedArrays.retain`)
+          and named in the `state` message, so each worker unmaps them too.
 
 Failures: every wait is `multiprocessing.connection.wait` on the worker sockets and
-process sentinels with a deadline. A worker exception comes back as data (type, message,
+process sentinels with a deadline, and so is every write: messages go out non-blocking,
+waiting for room in the socket with `poll` (`_wire.send`), because a worker stuck in
+`__getitem__` stops reading, and a large `init`/`state` payload would otherwise block the
+main process past any `timeout`. A worker exception comes back as data (type, message,
 traceback) and is re-raised for that batch; the pool stays usable. A dead worker (EOF
-on its socket or its sentinel fires) or a batch past `timeout` raises and breaks the
-pool: it is closed, and the owner starts a new one on next use.
+on its socket, its sentinel fires, or a write gets EPIPE/ECONNRESET), a batch past
+`timeout`, or a worker that takes no message before the deadline raises
+WorkerDiedError/BatchTimeoutError naming the worker and the batch, and breaks the pool:
+it is closed, and the owner starts a new one on next use. (A failed write of a task is
+raised by `get` of that task, so batches already made by other workers still arrive.)
 
 Shutdown (`close()`, `with`, garbage collection via `weakref.finalize`, interpreter exit,
-or a fatal error): send `stop` to every worker; join each for up to `_JOIN_TIMEOUT_S`;
-SIGTERM the ones still running (a stuck `__getitem__`), then SIGKILL after
-`_KILL_TIMEOUT_S`; reap every child; close sockets and segments. Workers ignore SIGINT
-(Ctrl-C reaches the whole process group; the main process decides) and exit on their own
-when their socket reaches EOF or their parent pid changes, so even a SIGKILLed main
-process leaves no worker behind for long. Shared memory is anonymous (memfd): it cannot
-outlive the processes that map it.
+or a fatal error): close our slot and array descriptors first (held batches keep their
+mappings; a process out of descriptors gets some back); send `stop` to every worker
+without waiting for socket room; join each for up to `_procs.JOIN_TIMEOUT_S`; SIGTERM the ones
+still running (a stuck `__getitem__`), then SIGKILL after `_procs.KILL_TIMEOUT_S`; reap every
+child; close sockets and sentinels. No step can raise.
+
+Parent death: workers ignore SIGINT (Ctrl-C reaches the whole process group; the main
+process decides) and must not outlive the main process, however it dies. Each worker
+and the fork server ask the kernel for SIGKILL when their parent dies
+(PR_SET_PDEATHSIG); forkserver workers ask it of the fork server, which asks it of the
+main process. The kernel's "parent" is the *thread* that forked the child, so processes
+are started from the main thread, or from kpipe's daemon spawner thread that lives as
+long as the process (`_procs.start_process`) -- never from a short-lived thread, whose end
+would kill them. A watchdog thread in each worker also checks `os.getppid()` every
+`_worker._PARENT_POLL_S` (for systems without prctl), and workers exit when their socket
+reaches EOF. Shared memory is anonymous (memfd): it cannot outlive the processes that
+map it.
 """
 
 import collections
 import concurrent.futures
 import itertools
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 import weakref
 from multiprocessing import connection as mp_connection
 
-import kpipe
-from kpipe._engine import _pickling, _tree
+from kpipe._engine import _pickling, _procs, _tree, _wire
 from kpipe._engine import worker_info as _wi
-from kpipe._engine._shm import SlotPool, plan_layout
-from kpipe._engine._worker import pack_exception, send_fds
+from kpipe._engine._shm import SlotPool, fd_limit_error, is_fd_exhaustion, plan_layout, raise_fd_limit
+from kpipe._engine._procs import WORKER_ENV as _WORKER_ENV  # noqa: F401 (scripts/bench_loaders.py)
+from kpipe._engine._procs import describe_exit
+from kpipe._engine._worker import pack_exception
 from kpipe.errors import (
     BatchTimeoutError,
     LoaderClosedError,
@@ -68,12 +100,10 @@ from kpipe.errors import (
     WorkerDiedError,
 )
 
-_JOIN_TIMEOUT_S = 2.0
-_KILL_TIMEOUT_S = 2.0
+# Slot descriptors a worker may hold at once (it keeps the mappings of all its slots):
+# enough for the few slots it cycles through, independent of how many batches are held.
+_WORKER_SLOT_FDS = 4
 _START_METHODS = ("forkserver", "spawn", "fork")
-# glibc keeps freed big buffers (up to 32 MiB) instead of unmapping them, so a worker that
-# allocates a fresh batch array per call reuses warm pages instead of page-faulting.
-_WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 _Task = collections.namedtuple("_Task", "worker key slot in_slot")
 
 
@@ -110,199 +140,6 @@ def rebuild_exception(packed, where):
     return exc
 
 
-def describe_exit(code):
-    if code is None:
-        return "exited (exit code unknown)"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = {
-            signal.SIGKILL: " It was killed, often by the kernel's out-of-memory killer; lower "
-            "`max_queue_size` or `workers`, or check the dataset for memory growth.",
-            signal.SIGSEGV: " It crashed in native code (a segmentation fault), e.g. in a C "
-            "extension used by __getitem__.",
-        }.get(-code, "")
-        return f"was killed by {name} (exit code {code}).{hint}"
-    return (
-        f"exited with code {code}. Something in the dataset ended the process (sys.exit, "
-        "os._exit); raise an exception instead so it can be reported."
-    )
-
-
-class _Proc:
-    """One worker process as seen from the main process."""
-
-    def __init__(self, wid, conn, pid, handle, sentinel):
-        self.id = wid
-        self.conn = conn
-        self.pid = pid
-        self.handle = handle  # subprocess.Popen or multiprocessing.Process
-        self.sentinel = sentinel  # waitable fd or None
-        self.known_slots = set()
-        self.drops = []
-        self.pending = collections.deque()  # seqs sent, not answered, in order
-        self.array_keys = set()  # shared dataset arrays whose fds this worker holds
-        self.alive = True
-        self.dead_error = None  # set when the worker is found dead
-
-    def exitcode(self, wait_s=0.0):
-        h = self.handle
-        if isinstance(h, (subprocess.Popen, _ZygoteChild)):
-            try:
-                return h.wait(timeout=wait_s) if wait_s else h.poll()
-            except subprocess.TimeoutExpired:
-                return None
-        h.join(wait_s if wait_s else 0)
-        return h.exitcode
-
-    def signal(self, sig):
-        try:
-            os.kill(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-class _ZygoteChild:
-    """A worker forked by the fork server: Popen-like `poll`/`wait`. Its exit code comes
-    from the server's ("exited", pid, code) messages (only a parent can reap a child)."""
-
-    def __init__(self, pid, zygote_conn, codes):
-        self.pid = pid
-        self._conn = zygote_conn
-        self._codes = codes
-
-    def _drain(self):
-        if self._codes.get("eof"):
-            return
-        try:
-            while self._conn.poll():
-                msg = self._conn.recv()
-                if msg[0] == "exited":
-                    self._codes[msg[1]] = msg[2]
-        except (EOFError, OSError, ValueError):
-            self._codes["eof"] = True  # the server is gone: no more codes will come
-
-    def _gone(self):
-        import psutil
-
-        try:
-            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    def _wait_code(self, wait_s):
-        deadline = time.monotonic() + wait_s
-        while self.pid not in self._codes and not self._codes.get("eof") and time.monotonic() < deadline:
-            try:
-                if self._conn.poll(0.01):
-                    self._drain()
-            except (OSError, ValueError):
-                break
-        return self._codes.get(self.pid)
-
-    def poll(self):
-        self._drain()
-        if self.pid in self._codes:
-            return self._codes[self.pid]
-        if self._gone():
-            code = self._wait_code(0.5)
-            return -1 if code is None else code
-        return None
-
-    def wait(self, timeout=None):
-        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
-        while True:
-            self._drain()
-            if self.pid in self._codes:
-                return self._codes[self.pid]
-            if self._gone():
-                return self._wait_code(1.0)  # the server reaps it and reports the code
-            if time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired("kpipe-worker", timeout)
-            time.sleep(0.005)
-
-
-def _spawn_exec(wid, parent_pid, entry="_exec_main"):
-    """Starts a fresh interpreter running `kpipe._engine._worker.<entry>`; it never
-    re-imports `__main__` (unlike multiprocessing's spawn), so a script's top-level
-    `import tensorflow` does not run again in workers."""
-    import socket
-    from multiprocessing.connection import Connection
-
-    ours, theirs = socket.socketpair()
-    env = dict(os.environ, **_WORKER_ENV)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    code = f"from kpipe._engine._worker import {entry}; {entry}()"
-    try:
-        popen = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno()), str(parent_pid)],
-            pass_fds=(theirs.fileno(),),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-    finally:
-        theirs.close()
-    sentinel = None
-    if hasattr(os, "pidfd_open"):
-        try:
-            sentinel = os.pidfd_open(popen.pid)
-        except OSError:
-            sentinel = None
-    return _Proc(wid, Connection(ours.detach()), popen.pid, popen, sentinel)
-
-
-def _spawn_fork(wid, parent_pid):
-    import multiprocessing
-
-    from kpipe._engine._worker import _fork_main
-
-    ctx = multiprocessing.get_context("fork")
-    ours, theirs = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=_fork_main, args=(theirs, parent_pid), daemon=True, name=f"kpipe-worker-{wid}")
-    proc.start()
-    theirs.close()
-    return _Proc(wid, ours, proc.pid, proc, proc.sentinel)
-
-
-def _close_fd(fd):
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def _shutdown(procs, slots, shared, force=False):
-    """Stops and reaps workers, then frees shared memory. Safe to call twice."""
-    for p in procs:
-        if p.alive and not force:
-            try:
-                p.conn.send(("stop",))
-            except (OSError, ValueError):
-                pass
-    deadline = time.monotonic() + (0 if force else _JOIN_TIMEOUT_S)
-    for p in procs:
-        if p.exitcode(max(0.0, deadline - time.monotonic()) or 0.001) is None:
-            p.signal(signal.SIGTERM)
-    for p in procs:
-        if p.exitcode(_KILL_TIMEOUT_S) is None:
-            p.signal(signal.SIGKILL)
-            p.exitcode(_KILL_TIMEOUT_S)
-        p.alive = False
-        try:
-            p.conn.close()
-        except OSError:
-            pass
-        _close_fd(p.sentinel)
-        p.sentinel = None
-    procs.clear()
-    slots.close()
-    shared.close()
-
-
 class ProcessBackend:
     """Runs `target[key]` (mode "dataset") or `target(inputs)` (mode "function") in worker
     processes. Used from one thread at a time."""
@@ -321,12 +158,13 @@ class ProcessBackend:
                 "workers start in ~0.2 s and do not import TensorFlow."
             )
         self.name = name
-        self.timeout = timeout
+        self.timeout = timeout  # seconds; None or inf: no limit
         self._mode = mode
+        raise_fd_limit()  # once per process: one descriptor per live slot adds up
         self._slots = SlotPool(keep_idle=keep_idle)
         self._shared = _pickling.SharedArrays()
         self._procs = []
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._slots, self._shared)
+        self._finalizer = weakref.finalize(self, _procs.shutdown, self._procs, self._slots, self._shared)
         self._results = {}
         self._tasks = {}
         self._discarded = set()
@@ -334,12 +172,12 @@ class ProcessBackend:
         self._exit_codes = {}
         self._zygote = None
         self.closed = False
-        spawn = _spawn_exec if start_method == "spawn" else _spawn_fork
+        spawn = _procs.spawn_exec if start_method == "spawn" else _procs.spawn_fork
         try:
             if start_method == "forkserver":
                 # Start the server first: its interpreter and imports (~0.2 s) overlap
                 # with pickling the dataset here.
-                self._zygote = _spawn_exec(-1, os.getpid(), entry="_zygote_main")
+                self._zygote = _procs.start_process(_procs.spawn_exec, -1, os.getpid(), "_zygote_main")
                 self._zygote.is_zygote = True
                 self._procs.append(self._zygote)  # last in the list: stopped after the workers
             payload, keys = _pickling.dumps(target, self._shared, what=f"`{name}`")
@@ -347,50 +185,50 @@ class ProcessBackend:
             if start_method == "forkserver":
                 self._start_forked(num_workers, seed, mode, payload, keys)
                 return
-            for wid in range(num_workers):
-                proc = spawn(wid, os.getpid())
-                self._procs.append(proc)
+            for wid in range(num_workers):  # all start at once; each reads its init when up
+                self._procs.append(_procs.start_process(spawn, wid, os.getpid()))
+            deadline = _wire.deadline_after(self.timeout)
+            for proc in self._procs:
                 cfg = {
-                    "worker_id": wid,
+                    "worker_id": proc.id,
                     "num_workers": num_workers,
-                    "seed": _wi.derive_seed(seed, wid),
+                    "seed": _wi.derive_seed(seed, proc.id),
                     "mode": mode,
                     "sys_path": [p for p in sys.path if p],
                     "payload": payload,
                     "array_keys": keys,
                 }
-                proc.conn.send(("init", cfg))
-                send_fds(proc.conn, [self._shared.fd(k) for k in keys])
+                self._send(proc, ("init", cfg), [self._shared.fd(k) for k in keys], deadline)
                 proc.array_keys = set(keys)
-        except BaseException:
+        except BaseException as exc:
             self.close()
+            if is_fd_exhaustion(exc):
+                raise fd_limit_error(exc, f"start the workers of `{name}`") from exc
             raise
 
     def _start_forked(self, num_workers, seed, mode, payload, keys):
         """Sends the fork server its target, then has it fork every worker (ms each)."""
         zygote = self._zygote
         cfg = {"mode": mode, "sys_path": [p for p in sys.path if p], "payload": payload, "array_keys": keys}
-        zygote.conn.send(("init", cfg))
-        send_fds(zygote.conn, [self._shared.fd(k) for k in keys])
+        deadline = _wire.deadline_after(self.timeout)
+        self._send(zygote, ("init", cfg), [self._shared.fd(k) for k in keys], deadline)
         for wid in range(num_workers):
-            zygote.conn.send(("fork", wid, num_workers, _wi.derive_seed(seed, wid)))
+            self._send(zygote, ("fork", wid, num_workers, _wi.derive_seed(seed, wid)), (), deadline)
         workers = []
-        deadline = time.monotonic() + self.timeout
         while len(workers) < num_workers:
             msg = self._recv_zygote(deadline)
             if msg[0] == "forked":
-                from kpipe._engine._worker import recv_fds
                 from multiprocessing.connection import Connection
 
                 _, wid, pid = msg
-                fd = recv_fds(zygote.conn, 1)[0]
+                fd = _wire.recv_fds(zygote.conn, 1)[0]
                 sentinel = None
                 if hasattr(os, "pidfd_open"):
                     try:
                         sentinel = os.pidfd_open(pid)
                     except OSError:
                         sentinel = None
-                proc = _Proc(wid, Connection(fd), pid, _ZygoteChild(pid, zygote.conn, self._exit_codes), sentinel)
+                proc = _procs.Proc(wid, Connection(fd), pid, _procs.ZygoteChild(pid, zygote.conn, self._exit_codes), sentinel)
                 proc.array_keys = set(keys)
                 workers.append(proc)
         workers.sort(key=lambda p: p.id)
@@ -399,8 +237,8 @@ class ProcessBackend:
     def _recv_zygote(self, deadline):
         zygote = self._zygote
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            remaining = _wire.remaining(deadline)
+            if remaining is not None and remaining <= 0:
                 self._fail(BatchTimeoutError(f"kpipe's fork server did not start the workers of `{self.name}` within timeout={self.timeout} s."))
             ready = mp_connection.wait([zygote.conn] + ([zygote.sentinel] if zygote.sentinel is not None else []), remaining)
             if zygote.conn in ready:
@@ -433,57 +271,133 @@ class ProcessBackend:
         workers = self._workers
         proc = workers[seq % len(workers)]
         slot, _ = self._slots.acquire(proc.known_slots)
-        new = []
-        if slot not in proc.known_slots:
-            new.append(slot)
         in_info = in_slot = None
-        if inputs is not None:
-            treedef, leaves, _ = _tree.flatten(inputs, what="input")
-            layout = plan_layout(leaves)
-            in_slot, _ = self._slots.acquire(proc.known_slots)
-            self._slots.segments[in_slot].write(leaves, layout)
-            in_info = (in_slot, treedef, layout)
-            if in_slot not in proc.known_slots:
-                new.append(in_slot)
-        self._queue_drops()
-        drops, proc.drops = proc.drops, []
-        if proc.dead_error is None:
-            try:
-                proc.conn.send(("task", seq, key, slot, in_info, new, drops))
-                send_fds(proc.conn, [self._slots.segments[s].fd for s in new])
-            except OSError:  # it died; get(seq) raises once the consumer needs this batch
-                proc.dead_error = self._died(proc, key)
-        proc.known_slots.update(new)
-        proc.known_slots.difference_update(drops)
-        proc.pending.append(seq)
+        try:
+            if inputs is not None:
+                treedef, leaves, _ = _tree.flatten(inputs, what="input")
+                layout = plan_layout(leaves)
+                in_slot, _ = self._slots.acquire(proc.known_slots)
+                self._slots.segments[in_slot].write(leaves, layout)
+                in_info = (in_slot, treedef, layout)
+        except BaseException:
+            for s in (slot, in_slot):
+                if s is not None:
+                    self._slots.release(s)
+            raise
         self._tasks[seq] = _Task(proc, key, slot, in_slot)
+        if proc.dead_error is None:
+            task_slots = [slot] if in_slot is None else [slot, in_slot]
+            fd_slots, close = self._slot_fds(proc, task_slots)
+            self._queue_drops()
+            drops, proc.drops = proc.drops, []
+            msg = ("task", seq, key, slot, in_info, fd_slots, close, drops)
+            # A failure is raised by get(seq), when the consumer reaches this batch: the
+            # batches before it (perhaps from other workers) are still delivered.
+            fds = [self._slots.segments[s].fd for s in fd_slots]
+            try:
+                sent = self._send(proc, msg, fds, _wire.deadline_after(self.timeout), key=key, defer=True)
+            except BaseException:  # interrupted before the task was written: forget it
+                if not self.closed:
+                    for s in fd_slots:
+                        proc.fd_slots.pop(s, None)
+                    for s in close:  # the worker still holds these
+                        proc.fd_slots[s] = None
+                        proc.fd_slots.move_to_end(s, last=False)
+                    proc.drops.extend(drops)
+                    self._release_task(seq)
+                raise
+            if sent:
+                proc.known_slots.update(task_slots)
+                proc.known_slots.difference_update(drops)
+        proc.pending.append(seq)
         return seq
+
+    def _slot_fds(self, proc, task_slots):
+        """Which of `task_slots` need their descriptor sent to `proc`, and which held
+        descriptors it must close to stay within `_WORKER_SLOT_FDS` (oldest first)."""
+        held = proc.fd_slots
+        send = [s for s in task_slots if s not in held]
+        for s in task_slots:
+            held[s] = None
+            held.move_to_end(s)
+        close = []
+        while len(held) > max(_WORKER_SLOT_FDS, len(task_slots)):
+            close.append(held.popitem(last=False)[0])
+        return send, close
 
     def _queue_drops(self):
         for slot in self._slots.take_retired():
             for p in self._procs:
                 if slot in p.known_slots:
                     p.drops.append(slot)
+                    p.fd_slots.pop(slot, None)
+
+    def _send(self, proc, msg, fds=(), deadline=None, key=None, defer=False):
+        """Sends `msg` (and `fds`) to `proc` within `deadline`; returns True if sent.
+
+        A dead worker is a WorkerDiedError, a socket still full at the deadline a
+        BatchTimeoutError (the worker no longer reads). Either stops the pool when raised;
+        with `defer`, it is kept as the worker's `dead_error` instead, for `get` to raise.
+        """
+        try:
+            _wire.send(proc.conn, msg, fds, deadline)
+            return True
+        except _wire.SendTimeout:
+            error = self._send_timed_out(proc, msg[0], key)
+        except (OSError, EOFError, ValueError) as exc:  # BrokenPipe, ConnectionReset, closed
+            if is_fd_exhaustion(exc):
+                self._fail(fd_limit_error(exc, f"send a message to worker {proc.id} of `{self.name}`"))
+            error = self._died(proc, key, doing=msg[0])
+        except BaseException as exc:  # Ctrl-C while waiting for room in the socket
+            if getattr(exc, "kpipe_torn", False):  # half a message: the stream is lost
+                self.close(force=True)
+            raise
+        proc.dead_error = proc.dead_error or error
+        if not defer:
+            self._fail(proc.dead_error)
+        return False
+
+    def _send_timed_out(self, proc, kind, key):
+        busy = next((self._tasks[s].key for s in proc.pending if s != "state" and s in self._tasks and self._tasks[s].key != key), None)
+        what = {"init": f"`{self.name}` to start", "state": f"the new state of `{self.name}` (after on_epoch_end)"}.get(
+            kind, f"batch {key} of `{self.name}`" if key is not None else f"a task of `{self.name}`"
+        )
+        who = "kpipe's fork server" if getattr(proc, "is_zygote", False) else f"Worker {proc.id}"
+        doing = f"it is still loading batch {busy}" if busy is not None else "it does not read its socket"
+        return BatchTimeoutError(
+            f"{who} (pid {proc.pid}) did not take {what} within timeout={self.timeout} s: {doing}. "
+            "If batches are legitimately this slow, raise `timeout`; otherwise look for a hang in "
+            "__getitem__ (a deadlock, a stuck read). The loader stopped its workers; using it again "
+            "starts new ones."
+        )
 
     def get(self, seq, on_starved=None):
         """Waits for task `seq`; returns `(tree, treedef, meta)`, meta = [(dtype_str, shape)].
 
         `on_starved()`, if given, is called (once) if a live worker runs out of tasks
-        while this one is still loading: the caller may submit more.
+        while this one is still loading: the caller may submit more. If the wait is
+        interrupted (Ctrl-C), the task is discarded and its slot freed when it arrives.
         """
         self._check_open()
-        deadline = time.monotonic() + self.timeout
-        while seq not in self._results:
-            owner = self._tasks[seq].worker
-            if owner.dead_error is not None:
-                self._fail(owner.dead_error)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._fail(self._timed_out(seq))
-            self._pump(remaining)
-            if on_starved is not None and seq not in self._results and any(not p.pending and p.dead_error is None for p in self._workers):
-                on_starved, starved = None, on_starved
-                starved()
+        deadline = _wire.deadline_after(self.timeout)
+        try:
+            while seq not in self._results:
+                owner = self._tasks[seq].worker
+                if owner.dead_error is not None:
+                    self._fail(owner.dead_error)
+                remaining = _wire.remaining(deadline)
+                if remaining is not None and remaining <= 0:
+                    self._fail(self._timed_out(seq))
+                self._pump(remaining)
+                if on_starved is not None and seq not in self._results and any(not p.pending and p.dead_error is None for p in self._workers):
+                    on_starved, starved = None, on_starved
+                    starved()
+        except Exception:
+            raise
+        except BaseException:  # KeyboardInterrupt: nobody will ask for this batch again
+            if not self.closed:
+                self.discard(seq)
+            raise
         result = self._results.pop(seq)
         task = self._tasks.pop(seq)
         if task.in_slot is not None:
@@ -519,24 +433,38 @@ class ProcessBackend:
     def reset_target(self, target):
         """Sends a new version of the target (e.g. after `on_epoch_end`) to every worker.
 
-        Call it with no task in flight. Waits until every worker has loaded it.
+        Call it with no task in flight. Waits until every worker has loaded it. Shared
+        arrays the new version no longer holds (replaced rather than edited) are freed
+        here and dropped by every worker. Sending and waiting together take at most
+        `timeout`.
+
+        Raises:
+            BatchTimeoutError: a worker did not take or load the new state in time.
+            WorkerDiedError: a worker is dead (e.g. it died between batches).
         """
         self._check_open()
+        deadline = _wire.deadline_after(self.timeout)
+        for p in self._workers:
+            if p.dead_error is not None:
+                self._fail(p.dead_error)
         payload, keys = _pickling.dumps(target, self._shared, what=f"`{self.name}`")
         for p in self._workers:
             new = sorted(k for k in keys if k not in p.array_keys)
-            p.conn.send(("state", payload, new))
-            send_fds(p.conn, [self._shared.fd(k) for k in new])
-            p.array_keys |= set(new)
+            drop = sorted(p.array_keys - keys)
             p.pending.append("state")
-        deadline = time.monotonic() + self.timeout
+            self._send(p, ("state", payload, new, drop), [self._shared.fd(k) for k in new], deadline)
+            p.array_keys = set(keys)
+        self._shared.retain(keys)
         while any(p.pending for p in self._workers):
             dead = next((p for p in self._workers if p.dead_error is not None), None)
             if dead is not None:
                 self._fail(dead.dead_error)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._fail(BatchTimeoutError(f"Workers did not load the new state of `{self.name}` within timeout={self.timeout} s."))
+            remaining = _wire.remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                slow = [p for p in self._workers if "state" in p.pending]
+                self._fail(self._send_timed_out(slow[0], "state", None) if slow else BatchTimeoutError(
+                    f"Workers of `{self.name}` did not finish their batches within timeout={self.timeout} s."
+                ))
             self._pump(remaining)
 
     def _pump(self, timeout):
@@ -576,6 +504,8 @@ class ProcessBackend:
             self._exit_codes[msg[1]] = msg[2]
         elif kind in ("done", "error"):
             seq = msg[1]
+            if seq in self._tasks:
+                proc.last_key = self._tasks[seq].key
             if proc.pending and proc.pending[0] == seq:
                 proc.pending.popleft()
             else:
@@ -595,7 +525,7 @@ class ProcessBackend:
             self._fail(exc)
         # "ready" needs no action: tasks were queued behind init already.
 
-    def _died(self, proc, key=None):
+    def _died(self, proc, key=None, doing=None):
         code = proc.exitcode(1.0)
         proc.alive = False
         if getattr(proc, "is_zygote", False):
@@ -604,14 +534,17 @@ class ProcessBackend:
                 "Its workers stop with it; using the loader again starts new ones."
             )
         running = next((s for s in proc.pending if s != "state"), None)
-        if running is not None and running in self._tasks:
-            key = self._tasks[running].key
+        loading = self._tasks[running].key if running in self._tasks else None
         if self._mode == "function" and running is not None:
             what = f"while running `{self.name}` on item {running}"
-        elif key is not None:
-            what = f"while loading batch {key} of `{self.name}`"
+        elif loading is not None:
+            what = f"while loading batch {loading} of `{self.name}`"
         else:
-            what = f"while idle (`{self.name}`)"
+            what = f"while idle, after loading batch {proc.last_key} of `{self.name}`" if proc.last_key is not None else f"while idle (`{self.name}`)"
+            if doing == "state":
+                what += " (found when sending it the new state of the dataset, after on_epoch_end)"
+            elif key is not None:
+                what += f" (found when sending it batch {key})"
         return WorkerDiedError(f"Worker {proc.id} (pid {proc.pid}) {what}: it {describe_exit(code)}")
 
     def _timed_out(self, seq):
@@ -636,7 +569,7 @@ class ProcessBackend:
     def close(self, force=False):
         self.closed = True
         if force:
-            _shutdown(self._procs, self._slots, self._shared, force=True)
+            _procs.shutdown(self._procs, self._slots, self._shared, force=True)
         self._finalizer()
 
 
@@ -679,18 +612,18 @@ class ThreadBackend:
 
     def get(self, seq, on_starved=None):
         key, fut = self._futures.pop(seq)
-        deadline = time.monotonic() + self.timeout
+        deadline = _wire.deadline_after(self.timeout)  # None: no limit
         while on_starved is not None and not fut.done():
             # Wake at each completion: has a thread run out of work while `fut` loads?
             others = [f for _, f in self._futures.values() if not f.done()]
-            concurrent.futures.wait([fut] + others, max(0.0, deadline - time.monotonic()), concurrent.futures.FIRST_COMPLETED)
-            if time.monotonic() >= deadline:
+            concurrent.futures.wait([fut] + others, _wire.remaining(deadline), concurrent.futures.FIRST_COMPLETED)
+            if deadline is not None and time.monotonic() >= deadline:
                 break
             if not fut.done() and 1 + sum(not f.done() for _, f in self._futures.values()) < self._num_workers:
                 on_starved, starved = None, on_starved
                 starved()
         try:
-            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            return fut.result(timeout=_wire.remaining(deadline))
         except concurrent.futures.TimeoutError:
             self.close()
             raise BatchTimeoutError(

@@ -8,25 +8,39 @@ needs more room than a slot has grows the file with `ftruncate`; everyone who ma
 afterwards sees the new size, and existing (smaller) mappings stay valid, so a slot never
 shrinks under a reader.
 
-Zero-copy hand-off: `Segment.arrays(...)` returns arrays that view the segment directly.
-Each array keeps a `_Lease` alive through its `.base`; when the last array (or view of
+Mappings cost no file descriptor: a `Mapping` is made with libc's `mmap` (Python's
+`mmap.mmap` would `dup()` the descriptor and keep the copy open for as long as the
+mapping lives), and is unmapped when the last array viewing it is gone. A process may
+therefore close a segment's descriptor and keep using its pages -- workers do, so that
+the batches a consumer holds cost them no descriptor at all.
+
+Zero-copy hand-off: `Segment.views(...)` returns arrays that view the segment directly.
+Each array keeps a `Lease` alive through its `.base`; when the last array (or view of
 one) from a batch is garbage collected, the lease calls `on_release`, and only then may
 the slot be written again. Consumers therefore never see a batch change under them.
+Arrays of zero bytes (a batch of 0 rows) need no shared memory: they are plain arrays.
 """
 
+import ctypes
+import errno
 import mmap
 import os
 import sys
 import tempfile
 import threading
+import weakref
 
 import numpy as np
+
+from kpipe.errors import LoaderError
 
 _ALIGN = 64  # bytes; cache-line alignment for every array in a slot
 _PAGE = mmap.PAGESIZE
 _HUGE_MIN_BYTES = 4 << 20
 # madvise(MADV_POPULATE_WRITE) (Linux >= 5.14) maps every page of a range, writable, in one call.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_FD_LIMIT_TARGET = 1 << 20  # soft RLIMIT_NOFILE asked for when the hard limit is unlimited
 
 
 def align(n, to=_ALIGN):
@@ -43,12 +57,147 @@ def _anonymous_fd(name):
     return fd
 
 
+# ------------------------------------------------------------------ file-descriptor limit
+_fd_limit_raised = False
+
+
+def raise_fd_limit():
+    """Raises this process's soft `RLIMIT_NOFILE` to its hard limit, once per process.
+
+    Every live slot and shared array holds a descriptor in the main process; the usual
+    default soft limit (1024) is far below the hard one on most systems. Workers started
+    afterwards inherit the new limit. Returns `(soft, hard)` as they are now.
+    """
+    global _fd_limit_raised
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if _fd_limit_raised:
+        return soft, hard
+    _fd_limit_raised = True
+    target = _FD_LIMIT_TARGET if hard == resource.RLIM_INFINITY else min(hard, _FD_LIMIT_TARGET)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # e.g. above fs.nr_open: keep what we have
+            pass
+    return soft, hard
+
+
+def is_fd_exhaustion(exc):
+    return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
+
+
+def fd_limit_error(exc, doing):
+    """A `LoaderError` for an `OSError` EMFILE/ENFILE raised while `doing` something."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        limits = f"soft limit {_limit_text(soft)}, hard limit {_limit_text(hard)}"
+    except ImportError:
+        limits = "limit unknown"
+    if exc.errno == errno.ENFILE:
+        what = "the system-wide limit on open files (fs.file-max) is reached"
+        fix = "Close other programs' files or raise fs.file-max (sysctl), or hold fewer batches."
+    else:
+        what = f"this process reached its limit of open files (RLIMIT_NOFILE: {limits})"
+        fix = (
+            "kpipe keeps one file descriptor per batch you hold (arrays still referenced) and per "
+            "shared dataset array: hold fewer batches at once, or raise the limit before starting "
+            "Python, e.g. `ulimit -n 65536` in the shell (up to the hard limit; raising the hard "
+            "limit needs root, e.g. in /etc/security/limits.conf)."
+        )
+    return LoaderError(f"kpipe could not {doing}: {what}. {fix}")
+
+
+def _limit_text(value):
+    try:
+        import resource
+
+        if value == resource.RLIM_INFINITY:
+            return "unlimited"
+    except ImportError:
+        pass
+    return str(value)
+
+
+# ------------------------------------------------------------------------ mappings
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mmap_fn = getattr(libc, "mmap64", None) or libc.mmap
+        mmap_fn.restype = ctypes.c_void_p
+        mmap_fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        libc.madvise.restype = ctypes.c_int
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return mmap_fn, libc.munmap, libc.madvise
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class Mapping:
+    """`size` bytes of file `fd` mapped shared and writable, without duplicating `fd`.
+
+    Exposes `__array_interface__` (uint8 bytes): `np.asarray(mapping)` views it, and the
+    view keeps the mapping alive. Unmapped when the last reference is gone, in whichever
+    thread drops it. Where libc cannot be loaded, falls back to `mmap.mmap` (which keeps a
+    duplicate descriptor).
+    """
+
+    __slots__ = ("address", "size", "__array_interface__", "_mm", "__weakref__")
+
+    def __init__(self, fd, size):
+        self._mm = None
+        self.address = None
+        self.size = size
+        if _LIBC is None:
+            self._mm = mmap.mmap(fd, size)
+            self.address = np.frombuffer(self._mm, dtype=np.uint8).__array_interface__["data"][0]
+        else:
+            addr = _LIBC[0](None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+            if addr is None or addr == _MAP_FAILED:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+            self.address = addr
+        self.__array_interface__ = {"data": (self.address, False), "shape": (size,), "typestr": "|u1", "version": 3}
+
+    def madvise(self, advice, start=0, length=None):
+        """Raises OSError if the kernel refuses `advice`."""
+        length = self.size - start if length is None else length
+        if self._mm is not None:
+            self._mm.madvise(advice, start, length)
+        elif _LIBC[2](self.address + start, length, advice) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def __del__(self):
+        if self._mm is None and self.address is not None and _LIBC is not None:
+            _LIBC[1](self.address, self.size)
+            self.address = None
+
+
 class Segment:
-    """A growable shared-memory file mapped into this process. Not thread-safe."""
+    """A growable shared-memory file mapped into this process. Not thread-safe.
+
+    `fd` may be closed (`close_fd`) while the mapping is kept: the segment can then still
+    be read and written up to its mapped size, and `adopt_fd` gives it a descriptor again
+    when it must grow or remap.
+    """
 
     def __init__(self, fd):
         self.fd = fd
-        self._mm = None
+        self._map_obj = None  # the current Mapping
+        self._buf = None  # uint8 array viewing all of it
         self._mapped = 0
         self._populated = 0  # bytes of the current mapping already paged in for writing
 
@@ -57,17 +206,32 @@ class Segment:
         fd = _anonymous_fd(name)
         seg = cls(fd)
         if nbytes:
-            os.ftruncate(fd, align(nbytes, _PAGE))
+            try:
+                os.ftruncate(fd, align(nbytes, _PAGE))
+            except BaseException:
+                seg.close()
+                raise
         return seg
 
     @property
     def size(self):
+        if self.fd is None:
+            return self._mapped
         return os.fstat(self.fd).st_size
+
+    @property
+    def mapped_size(self):
+        return self._mapped
 
     def reserve(self, nbytes):
         """Grows the file to hold at least `nbytes` (never shrinks), maps it, and pages in
         the first `nbytes` for writing."""
-        size = self.size
+        if nbytes <= 0:
+            return
+        if nbytes <= self._mapped and self._buf is not None:
+            size = self._mapped  # already mapped that far: no need to ask the file
+        else:
+            size = self._need_fd().size
         if size < nbytes:
             # Grow with headroom, so that the small arrays written after a big one, or a
             # slowly growing batch size, do not regrow (and remap) the file each time.
@@ -77,6 +241,11 @@ class Segment:
         self._map(nbytes)
         if nbytes > self._populated:
             self._populate(nbytes)
+
+    def _need_fd(self):
+        if self.fd is None:
+            raise ValueError("this segment's file descriptor was closed; it can no longer grow or be remapped")
+        return self
 
     def _populate(self, nbytes):
         # A writer fills what it reserves: map those pages now, in one call. Write faults
@@ -88,65 +257,99 @@ class Segment:
         if _MADV_POPULATE_WRITE is None or end <= start:
             return
         try:
-            self._mm.madvise(_MADV_POPULATE_WRITE, start, end - start)
+            self._map_obj.madvise(_MADV_POPULATE_WRITE, start, end - start)
         except OSError:
             pass  # kernels before 5.14: the pages fault in on first write instead
 
     def _map(self, nbytes):
-        if self._mapped >= nbytes and self._mm is not None:
+        if nbytes <= 0 or (self._mapped >= nbytes and self._buf is not None):
             return
-        size = self.size
+        size = self._need_fd().size
         if size < nbytes:
             raise ValueError(f"segment holds {size} bytes, {nbytes} needed")
         # An old, smaller mapping may still back arrays handed out earlier; it is unmapped
-        # when those arrays die (mmap objects close themselves when unreferenced).
-        self._mm = mmap.mmap(self.fd, size)
+        # when those arrays die.
+        self._map_obj = Mapping(self.fd, size)
+        self._buf = np.asarray(self._map_obj)
         self._mapped = size
         self._populated = 0
-        if size >= _HUGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        if size >= _HUGE_MIN_BYTES and _MADV_HUGEPAGE is not None:
             # Big batches on 4 KiB pages pay for TLB misses; where the kernel allows huge
             # pages for shared memory (transparent_hugepage/shmem_enabled = advise), ask.
             try:
-                self._mm.madvise(mmap.MADV_HUGEPAGE)
+                self._map_obj.madvise(_MADV_HUGEPAGE)
             except OSError:
                 pass
 
+    def map_all(self):
+        """Maps the whole file as it is now (e.g. before closing the descriptor)."""
+        self._map(self.size)
+
     @property
     def mapping(self):
-        """The current `mmap` of the whole segment (after `reserve`)."""
-        return self._mm
+        """A uint8 array viewing the whole current mapping (after `reserve`), or None."""
+        return self._buf
+
+    @property
+    def address(self):
+        return None if self._map_obj is None else self._map_obj.address
+
+    def mapping_ref(self):
+        """A weak reference to the current `Mapping` (None if unmapped): alive as long as
+        this segment or any array viewing it is."""
+        return None if self._map_obj is None else weakref.ref(self._map_obj)
 
     def write(self, leaves, layout):
         """Copies `leaves` into the segment at the offsets of `layout` (from `plan_layout`)."""
         self.reserve(max((o + n for o, n, _, _ in layout), default=0))
         for arr, (offset, nbytes, dtype, shape) in zip(leaves, layout):
             if nbytes:
-                dst = np.ndarray(shape, dtype=dtype, buffer=self._mm, offset=offset)
+                dst = np.ndarray(shape, dtype=dtype, buffer=self._buf, offset=offset)
                 np.copyto(dst, arr, casting="no")
 
     def views(self, layout, lease=None, writable=False):
-        """Arrays viewing the segment at `layout`. With `lease`, each array keeps it alive."""
+        """Arrays viewing the segment at `layout`. With `lease`, each array keeps it alive.
+
+        Arrays of zero bytes are fresh empty arrays: they view nothing and hold no lease.
+        """
         end = max((o + n for o, n, _, _ in layout), default=0)
         self._map(end)
         out = []
         for offset, nbytes, dtype, shape in layout:
-            arr = np.ndarray(shape, dtype=dtype, buffer=self._mm, offset=offset)
-            if lease is not None:
-                arr = np.asarray(_LeasedBuffer(arr, lease))
+            if nbytes == 0:
+                arr = np.empty(shape, dtype=dtype)
+            else:
+                arr = np.ndarray(shape, dtype=dtype, buffer=self._buf, offset=offset)
+                if lease is not None:
+                    arr = np.asarray(_LeasedBuffer(arr, lease))
             if not writable:
                 arr.flags.writeable = False
             out.append(arr)
         return out
 
-    def close(self):
-        """Drops this process's mapping reference and file descriptor."""
-        self._mm = None
-        if self.fd is not None:
+    def close_fd(self):
+        """Closes this process's descriptor; the mapping (and arrays viewing it) stay."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
             try:
-                os.close(self.fd)
+                os.close(fd)
             except OSError:
                 pass
-            self.fd = None
+
+    def adopt_fd(self, fd):
+        """Takes `fd` (of the same file) as this segment's descriptor."""
+        if self.fd is not None and self.fd != fd:
+            self.close_fd()
+        self.fd = fd
+
+    def close(self):
+        """Drops this process's mapping reference and file descriptor. Arrays still
+        viewing the mapping keep it (not the descriptor) until they die."""
+        self._map_obj = None
+        self._buf = None
+        self._mapped = 0
+        self._populated = 0
+        self.close_fd()
 
 
 def plan_layout(leaves, placed=None, start=0):
@@ -232,9 +435,15 @@ class SlotPool:
                     if self._free[i] in prefer:
                         return self._free.pop(i), False
                 return self._free.pop(), False
+            try:
+                segment = Segment.create(0, self._name)
+            except OSError as exc:
+                if is_fd_exhaustion(exc):
+                    raise fd_limit_error(exc, f"create shared memory for one more batch ({len(self.segments)} in use)") from exc
+                raise
             slot = self._next_id
             self._next_id += 1
-            self.segments[slot] = Segment.create(0, self._name)
+            self.segments[slot] = segment
             return slot, True
 
     def release(self, slot):
@@ -256,9 +465,11 @@ class SlotPool:
         return Lease(lambda: self.release(slot))
 
     def close(self):
+        """Closes every slot's descriptor; batches still held keep their mappings."""
         with self._lock:
             self._closed = True
             for seg in self.segments.values():
                 seg.close()
             self.segments.clear()
             self._free.clear()
+            self.retired.clear()

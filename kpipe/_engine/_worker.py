@@ -6,22 +6,39 @@ Imports only the standard library, NumPy and cloudpickle -- never TensorFlow, un
 user's dataset does.
 
 Protocol (main -> worker, over one Unix socket, after `init`):
-  ("init", cfg)                                   then the shared-array fds
-  ("task", seq, key, out_slot, inputs, new, drop) then the fds of the `new` slots
-  ("state", payload, new_keys)                    then the fds of the new arrays
+  ("init", cfg)                                         then the shared-array fds
+  ("task", seq, key, out_slot, inputs, fds, close, drop) then the fds of the slots in `fds`
+  ("state", payload, new_keys, drop_keys)                then the fds of the new arrays
   ("stop",)
 worker -> main:
   ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s)
   ("error", seq, exc) | ("state-ok",)
+
+Descriptors: a worker maps each shared dataset array once and closes its descriptor at
+once (arrays never change size; a changed one comes back under a new key). It keeps the
+mapping of every slot it has written but holds a slot's descriptor only while the main
+process says so: `fds` hands over descriptors for this task's slots, `close` names the
+slots whose descriptors to close (keeping their mappings), `drop` the slots to forget
+(unmap). The main process caps the descriptors a worker holds (`_WORKER_SLOT_FDS` in
+`_pool.py`), so the batches a consumer holds cost workers none. `drop_keys` of a state
+message are the dataset arrays the new state no longer uses.
+
+Parent death: a worker (and kpipe's fork server) asks the kernel for SIGKILL when its
+parent dies (Linux `PR_SET_PDEATHSIG`), and a watchdog thread checks `os.getppid()`
+every `_PARENT_POLL_S` as a fallback, so a worker inside a long `__getitem__` still goes
+when the main process is killed.
 """
 
+import ctypes
+import gc
 import os
 import random
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from multiprocessing import reduction
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -29,8 +46,10 @@ import numpy as np
 from kpipe._engine import _alloc, _pickling, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._shm import Segment, plan_layout
+from kpipe._engine._wire import recv_fds, send_fds
 
-_PARENT_POLL_S = 1.0
+_PARENT_POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1
 
 
 def pack_exception(exc):
@@ -50,17 +69,34 @@ def pack_exception(exc):
     }
 
 
-def recv_fds(conn, count):
-    if not count:
-        return []
-    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        return list(reduction.recvfds(s, count))
+def die_with_parent(parent_pid):
+    """Has the kernel SIGKILL this process when its parent dies (Linux), and exits now if
+    the parent is already gone (it may have died before the request took effect).
+
+    The parent is the *thread* that forked us: the main process starts workers from its
+    main thread or from a thread that lives as long as the process (see `_pool.py`).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog thread still notices
+    if os.getppid() != parent_pid:
+        os._exit(0)
 
 
-def send_fds(conn, fds):
-    if fds:
-        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            reduction.sendfds(s, list(fds))
+def _watch_parent(parent_pid):
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(0)  # the main process is gone: nobody will read our results
+
+
+def start_watchdog(parent_pid):
+    """A daemon thread ending this process within `_PARENT_POLL_S` of its parent's death,
+    even while the main thread runs a long `__getitem__`."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="kpipe-parent-watchdog", daemon=True).start()
 
 
 class _Worker:
@@ -74,7 +110,39 @@ class _Worker:
 
     def _adopt_arrays(self, keys):
         for key, fd in zip(keys, recv_fds(self.conn, len(keys))):
-            self.arrays[key] = Segment(fd)
+            seg = Segment(fd)
+            try:
+                seg.map_all()
+            finally:
+                seg.close_fd()  # the mapping keeps the pages; no descriptor per array
+            self.arrays[key] = seg
+
+    def _drop_arrays(self, keys):
+        refs = []
+        for key in keys:
+            seg = self.arrays.pop(key, None)
+            if seg is not None:
+                refs.append(seg.mapping_ref())
+                seg.close()
+        if any(r is not None and r() is not None for r in refs):
+            gc.collect()  # the old target sits in a reference cycle: unmap its arrays now
+
+    def _take_slots(self, fd_slots, close, drop):
+        fds = recv_fds(self.conn, len(fd_slots))
+        for slot in drop:
+            seg = self.slots.pop(slot, None)
+            if seg is not None:
+                seg.close()
+        for slot in close:
+            seg = self.slots.get(slot)
+            if seg is not None:
+                seg.close_fd()
+        for slot, fd in zip(fd_slots, fds):
+            seg = self.slots.get(slot)
+            if seg is None:
+                self.slots[slot] = Segment(fd)
+            else:
+                seg.adopt_fd(fd)
 
     def load(self, cfg):
         """Receives the shared arrays and unpickles the target."""
@@ -126,13 +194,8 @@ class _Worker:
             msg = conn.recv()
             kind = msg[0]
             if kind == "task":
-                _, seq, key, out_slot, inputs, new, drop = msg
-                for slot, fd in zip(new, recv_fds(conn, len(new))):
-                    self.slots[slot] = Segment(fd)
-                for slot in drop:
-                    seg = self.slots.pop(slot, None)
-                    if seg is not None:
-                        seg.close()
+                _, seq, key, out_slot, inputs, fd_slots, close, drop = msg
+                self._take_slots(fd_slots, close, drop)
                 try:
                     treedef, layout, busy = self.run_task(seq, key, out_slot, inputs)
                 except Exception as exc:  # SystemExit/KeyboardInterrupt end the worker
@@ -140,24 +203,24 @@ class _Worker:
                 else:
                     conn.send(("done", seq, treedef, layout, busy))
             elif kind == "state":
-                _, payload, new_keys = msg
+                _, payload, new_keys, drop_keys = msg
                 self._adopt_arrays(new_keys)
                 try:
                     self.target = _pickling.loads(payload, self.arrays)
                 except Exception as exc:
                     conn.send(("init-error", pack_exception(exc)))
                     return
+                self._drop_arrays(drop_keys)
                 conn.send(("state-ok",))
             elif kind == "stop":
                 return
 
 
 def serve(conn, parent_pid):
-    """Entry point shared by every start method."""
-    import signal
-
+    """Entry point shared by the spawn and fork start methods."""
     # Ctrl-C reaches the whole process group; the main process decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    start_watchdog(parent_pid)
     worker = _Worker(conn, parent_pid)
     try:
         msg = conn.recv()
@@ -180,6 +243,7 @@ def serve(conn, parent_pid):
 def _exec_main():
     """`python -c 'from kpipe._engine._worker import _exec_main; _exec_main()' FD PARENT_PID`."""
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    die_with_parent(parent_pid)
     serve(Connection(fd), parent_pid)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -189,6 +253,7 @@ def _exec_main():
 
 
 def _fork_main(conn, parent_pid):
+    die_with_parent(parent_pid)
     serve(conn, parent_pid)
 
 
@@ -206,9 +271,10 @@ def _zygote_main():
     A forked worker inherits the unpickled target (copy-on-write) and starts in
     milliseconds; it talks to the main process over its own socket.
     """
-    import signal
-
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    # No watchdog thread here (it would make every fork multi-threaded): the server never
+    # runs user code after `init`, and its loop checks the parent every _ZYGOTE_POLL_S.
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     zygote = _Worker(conn, parent_pid)
@@ -227,14 +293,17 @@ def _zygote_main():
                     break
                 _, wid, num_workers, seed = msg
                 ours, theirs = socket.socketpair()
+                server_pid = os.getpid()
                 pid = os.fork()
                 if pid == 0:  # the worker
                     code = 0
                     try:
+                        die_with_parent(server_pid)
+                        start_watchdog(server_pid)
                         conn.close()
                         ours.close()
                         zygote.conn = Connection(theirs.detach())
-                        zygote.parent_pid = os.getppid()
+                        zygote.parent_pid = server_pid
                         zygote.become(wid, num_workers, seed)
                         zygote.conn.send(("ready", os.getpid()))
                         zygote.serve()
