@@ -13,6 +13,7 @@ import numpy as np
 
 from kpipe import _keras_hook
 from kpipe._engine import _tree
+from kpipe._engine import worker_info as _wi
 from kpipe._engine._cursor import STATE_FORMAT, PassCursor
 from kpipe._engine._planner import EpochPlanner
 from kpipe._engine._pool import InlineBackend, ProcessBackend, ThreadBackend
@@ -21,8 +22,6 @@ from kpipe.errors import LoaderClosedError, LoaderError
 
 _DEFAULT_TIMEOUT_S = 120.0
 _UNSET = object()
-# timeout=None: the engine still needs a number for its waits; ten days is "forever".
-_UNBOUNDED_WAIT_S = 10 * 86400.0
 
 
 class ProcessLoader(keras.utils.PyDataset):
@@ -74,8 +73,11 @@ class ProcessLoader(keras.utils.PyDataset):
             batch per worker stays in flight). Defaults to None (batches only).
         shuffle: Permute the batch order every pass, from `(seed, pass)` only: the
             same seed gives the same batches whatever `workers` is. Defaults to False.
-        seed: Seed of the shuffle and of the workers' `random`/`numpy.random` (each
-            worker gets a seed derived from `(seed, worker id)`, see
+        seed: Seed of the shuffle and of the workers' `random`/`numpy.random`:
+            worker processes reseed both before each batch from `(seed, pass,
+            position)`, so random augmentation gives the same batch whatever `workers`
+            is, also after `restore()` with another worker count (threads and
+            `workers=0` share this process's generators and are not reseeded; see
             `kpipe.worker_info()`). Defaults to None (random).
         start_method: How workers start. `"forkserver"`: kpipe starts one fresh
             interpreter (no TensorFlow, no re-import of `__main__`) that unpickles the
@@ -579,7 +581,7 @@ class ProcessLoader(keras.utils.PyDataset):
     def _submit(self, key):
         index = self._planner.index(key[0], key[1], self._dataset_lengths.get(key[0], self._dataset_lengths[max(self._dataset_lengths)]))
         self._stats["loads"] += 1
-        return _Entry(index, self._backend.submit(index))
+        return _Entry(index, self._backend.submit(index, seed=_wi.batch_seed(self.seed, key[0], key[1])))
 
     def _drop(self, key):
         entry = self._queue.pop(key)
@@ -673,11 +675,14 @@ class ProcessLoader(keras.utils.PyDataset):
             )
 
     def _wait_s(self):
-        return _UNBOUNDED_WAIT_S if self.timeout is None else self.timeout
+        return self.timeout  # None: the engine waits without a limit
 
     def _ensure_backend(self):
         if self._closed:
             raise LoaderClosedError(f"This ProcessLoader of `{self._name}` was closed; create a new one.")
+        if self._backend is not None and self._backend.closed:  # e.g. Ctrl-C mid-send
+            self._backend = None
+            self._queue.clear()
         if self._backend is None:  # a fatal failure stopped the previous workers
             self._stats["restarts"] += 1
             self._start_backend()

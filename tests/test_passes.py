@@ -374,3 +374,33 @@ def test_two_worker_job_killed_mid_epoch_resumes_exactly_with_other_loader_worke
         for got, want in zip(_weights(tmp_path / "resumed", w), _weights(tmp_path / "reference", w)):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert not (tmp_path / "backup").exists() or not any((tmp_path / "backup").rglob("metadata.json"))
+
+
+class _Augmented:
+    """Random augmentation drawn from numpy.random in __getitem__."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return np.random.normal(size=(2, 3)).astype("float32") + i
+
+
+def test_random_augmentation_does_not_depend_on_the_worker_count(no_leaks):
+    from _datasets import Squares  # noqa: F401  (tests dir on the path for workers)
+
+    def draws(workers, restore=None):
+        with kpipe.ProcessLoader(_Augmented(), workers=workers, shuffle=True, seed=4) as loader:
+            if restore is not None:
+                loader.restore(restore)
+            return [loader[i] for i in range(6)], loader
+
+    one, _ = draws(1)
+    three, _ = draws(3)
+    assert all(np.array_equal(a, b) for a, b in zip(one, three))
+    with kpipe.ProcessLoader(_Augmented(), workers=2, shuffle=True, seed=4) as loader:
+        [loader[i] for i in range(4)]
+        state = loader.state()
+    resumed, _ = draws(3, restore=state)
+    assert all(np.array_equal(a, b) for a, b in zip(resumed[:2], one[4:]))
+    assert not np.array_equal(one[0], draws(1)[0][1])  # batches differ from each other

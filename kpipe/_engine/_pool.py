@@ -265,7 +265,9 @@ class ProcessBackend:
     def pids(self):
         return [p.pid for p in self._workers]
 
-    def submit(self, key, inputs=None):
+    def submit(self, key, inputs=None, seed=None):
+        """Queues `target[key]` (or `target(inputs)`); with `seed`, the worker reseeds
+        `random` and `numpy.random` with it first. Returns the task's `seq`."""
         self._check_open()
         seq = next(self._seq)
         workers = self._workers
@@ -290,7 +292,7 @@ class ProcessBackend:
             fd_slots, close = self._slot_fds(proc, task_slots)
             self._queue_drops()
             drops, proc.drops = proc.drops, []
-            msg = ("task", seq, key, slot, in_info, fd_slots, close, drops)
+            msg = ("task", seq, key, slot, in_info, fd_slots, close, drops, seed)
             # A failure is raised by get(seq), when the consumer reaches this batch: the
             # batches before it (perhaps from other workers) are still delivered.
             fds = [self._slots.segments[s].fd for s in fd_slots]
@@ -603,7 +605,7 @@ class ThreadBackend:
     def _run(self, key, inputs):
         return _in_process_result(self._target[key] if self._mode == "dataset" else self._target(inputs))
 
-    def submit(self, key, inputs=None):
+    def submit(self, key, inputs=None, seed=None):  # threads share the process's RNGs: no reseeding
         if self.closed:
             raise LoaderClosedError(f"The thread pool of `{self.name}` is closed.")
         seq = next(self._seq)
@@ -664,7 +666,7 @@ class InlineBackend:
 
     pids = property(lambda self: [])
 
-    def submit(self, key, inputs=None):
+    def submit(self, key, inputs=None, seed=None):  # the calling thread's RNGs stay the user's
         seq = next(self._seq)
         self._todo[seq] = (key, inputs)
         return seq

@@ -7,7 +7,7 @@ user's dataset does.
 
 Protocol (main -> worker, over one Unix socket, after `init`):
   ("init", cfg)                                         then the shared-array fds
-  ("task", seq, key, out_slot, inputs, fds, close, drop) then the fds of the slots in `fds`
+  ("task", seq, key, out_slot, inputs, fds, close, drop, seed) then the fds of the slots in `fds`
   ("state", payload, new_keys, drop_keys)                then the fds of the new arrays
   ("stop",)
 worker -> main:
@@ -194,8 +194,11 @@ class _Worker:
             msg = conn.recv()
             kind = msg[0]
             if kind == "task":
-                _, seq, key, out_slot, inputs, fd_slots, close, drop = msg
+                _, seq, key, out_slot, inputs, fd_slots, close, drop, seed = msg
                 self._take_slots(fd_slots, close, drop)
+                if seed is not None:  # this batch's randomness: see worker_info.batch_seed
+                    random.seed(seed)
+                    np.random.seed(seed)
                 try:
                     treedef, layout, busy = self.run_task(seq, key, out_slot, inputs)
                 except Exception as exc:  # SystemExit/KeyboardInterrupt end the worker
