@@ -82,18 +82,9 @@ def _make_adapter(base):
             return self._kpipe_stream()
 
         def _kpipe_stream(self):
-            ref = self._kpipe_loader
-            loader = ref()
-            if loader is None:
-                return
-            stream = loader._open_stream()
-            del loader
-            while True:
-                loader = ref()
-                batch = None if loader is None else loader._stream_next(stream)
-                del loader
-                if batch is None:
-                    return
+            from kpipe.loader import stream_batches
+
+            for batch in stream_batches(self._kpipe_loader):
                 yield self._standardize_batch(batch)
 
         def on_epoch_begin(self):

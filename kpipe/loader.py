@@ -339,17 +339,7 @@ class ProcessLoader(keras.utils.PyDataset):
         finite = self.num_batches is not None
 
         def generate():
-            loader = ref()
-            if loader is None:
-                return
-            stream = loader._open_stream()
-            del loader
-            while True:
-                loader = ref()
-                batch = None if loader is None else loader._stream_next(stream)
-                del loader
-                if batch is None:
-                    return
+            for batch in stream_batches(ref):
                 yield tuple(batch) if isinstance(batch, list) else batch
 
         ds = tf.data.Dataset.from_generator(generate, output_signature=signature)
@@ -717,6 +707,23 @@ class ProcessLoader(keras.utils.PyDataset):
         st["last_batch_bytes"] = nbytes
         if st["first_batch_s"] is None:
             st["first_batch_s"] = time.perf_counter() - self._t_created
+
+
+def stream_batches(ref):
+    """Yields one stream of the loader behind weak reference `ref`: the rest of its current
+    pass. Holds the loader only while fetching (see NOTE in kpipe/_keras_hook.py)."""
+    loader = ref()
+    if loader is None:
+        return
+    stream = loader._open_stream()
+    del loader
+    while True:
+        loader = ref()
+        batch = None if loader is None else loader._stream_next(stream)
+        del loader
+        if batch is None:
+            return
+        yield batch
 
 
 class _Entry:
