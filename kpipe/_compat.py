@@ -1,0 +1,231 @@
+"""What differs between the TensorFlow / Keras versions kpipe supports, in one place.
+
+NOTE [ Supported versions and what differs between them ]
+---------------------------------------------------------
+kpipe is tested on the pairs in the README's "Tested with" table
+(`scripts/version_matrix.py` runs the suite on each); `MIN_TENSORFLOW` / `MIN_KERAS` below
+are its oldest row and equal the floors in `setup.cfg`. `import kpipe` refuses older
+versions (`check_versions`). Keras internals that kpipe relies on changed inside that
+range; every version test about them lives in this module:
+
+    Keras   TensorFlow trainer (`keras/src/backend/tensorflow/trainer.py`)
+    -----   --------------------------------------------------------------
+    < 3.7   `model.train_function` is a `tf.function` of an *iterator* that calls
+            `next(iterator)` inside the graph. A Python list is no iterator, and any
+            Python object passed to it is traced anew on every call.
+            `TFEpochIterator` keeps one iterator across epochs when
+            `steps_per_epoch` is set and never restarts it: a finite dataset runs out
+            after one pass ("Your input ran out of data; interrupting training").
+    >= 3.7  `model.train_function(x)` takes a `tf.data`/distributed iterator, or any
+            Python iterable of batches (what `train_on_batch` passes), running the
+            compiled one-step function on each; `EpochIterator.reset()` exists and a
+            finite dataset is restarted after each full pass.
+    < 3.5   no `_maybe_symbolic_build` (the model is built from the first batch
+            inside the first step instead).
+
+`train_step_on_batches(model, train_function)` gives the profiler one callable for both,
+`finite_steps_per_epoch(...)` is what `fit_generator` passes as `steps_per_epoch`.
+
+Importing this module is cheap: it never imports TensorFlow or Keras itself.
+"""
+
+import os
+import re
+import sys
+
+# The oldest tested pair (README "Tested with", setup.cfg install_requires).
+MIN_TENSORFLOW = "2.16.2"
+MIN_KERAS = "3.3.3"
+
+# Distributions that provide the `tensorflow` / `keras` modules.
+_DISTRIBUTIONS = {
+    "tensorflow": ("tensorflow", "tensorflow_cpu", "tensorflow_gpu", "tensorflow_intel",
+                   "tensorflow_macos", "tensorflow_aarch64", "tf_nightly", "tf_nightly_cpu"),
+    "keras": ("keras", "keras_nightly"),
+}
+_REQUIRED = {"tensorflow": MIN_TENSORFLOW, "keras": MIN_KERAS}
+_SKIP_ENV = "KPIPE_SKIP_VERSION_CHECK"
+
+# Keras versions from which a Keras behaviour kpipe adapts to exists.
+_KERAS_ITERABLE_TRAIN_FUNCTION = (3, 7)  # train_function takes a list of batches; reset()
+
+
+class IncompatibleVersionError(ImportError):
+    """The installed TensorFlow or Keras is older than kpipe supports."""
+
+
+def parse_version(text):
+    """`"2.17.1"` -> `(2, 17, 1)`; pre-release and local tails are dropped
+    (`"3.7.0.dev2024"` -> `(3, 7, 0)`, `"2.18.0rc1"` -> `(2, 18, 0)`)."""
+    parts = []
+    for piece in str(text).split("+")[0].split("."):
+        match = re.match(r"\d+", piece)
+        if match is None:
+            break
+        parts.append(int(match.group()))
+        if match.end() != len(piece):
+            break
+    return tuple(parts)
+
+
+def installed_version(module):
+    """Version of the distribution providing `module` ("tensorflow" or "keras"), or None.
+
+    Reads the `*.dist-info` folder names on `sys.path`, in import order (a listing per
+    folder, no import of the package), and falls back to `importlib.metadata`.
+    """
+    names = _DISTRIBUTIONS[module]
+    pattern = re.compile(r"^(%s)-([^-]+)\.dist-info$" % "|".join(names), re.IGNORECASE)
+    for entry in sys.path:
+        try:
+            listing = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for name in listing:
+            match = pattern.match(name)
+            if match:
+                return match.group(2)
+    try:
+        from importlib import metadata
+    except ImportError:  # pragma: no cover -- Python < 3.8
+        return None
+    for name in names:
+        try:
+            return metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_versions(installed=None):
+    """Raises if the installed TensorFlow or Keras is older than kpipe supports.
+
+    A package whose version cannot be read (a source build without metadata) passes.
+    Setting the environment variable `KPIPE_SKIP_VERSION_CHECK=1` skips the check.
+
+    Args:
+        installed: `{"tensorflow": "2.17.1", "keras": "3.5.0"}`. Defaults to None
+            (read what is installed).
+
+    Raises:
+        IncompatibleVersionError: naming the installed and the required versions.
+    """
+    if os.environ.get(_SKIP_ENV, "") not in ("", "0"):
+        return
+    if installed is None:
+        installed = {module: installed_version(module) for module in _REQUIRED}
+    too_old = [
+        (module, installed[module], required)
+        for module, required in _REQUIRED.items()
+        if installed.get(module) and parse_version(installed[module]) < parse_version(required)
+    ]
+    if too_old:
+        found = ", ".join(f"{m} {have}" for m, have, _ in too_old)
+        needed = " and ".join(f"{m}>={req}" for m, _, req in too_old)
+        raise IncompatibleVersionError(
+            f"kpipe needs {needed}, but {found} is installed. Upgrade with "
+            f"`pip install -U {' '.join(f'{m}>={req}' for m, _, req in too_old)}` "
+            "(the README's 'Tested with' table lists the tested pairs), or set "
+            f"{_SKIP_ENV}=1 to import kpipe anyway, untested."
+        )
+
+
+def keras_version():
+    """The imported Keras's version as a tuple, e.g. `(3, 5, 0)`."""
+    import keras
+
+    return parse_version(keras.__version__)
+
+
+def keras_at_least(version):
+    """True when the imported Keras is `version` (a tuple) or newer."""
+    return keras_version() >= tuple(version)
+
+
+def require_keras(version, feature):
+    """Raises RuntimeError naming `feature` when the imported Keras is older than `version`."""
+    if not keras_at_least(version):
+        import keras
+
+        wanted = ".".join(map(str, version))
+        raise RuntimeError(
+            f"{feature} needs Keras >= {wanted}; Keras {keras.__version__} is installed. "
+            f"Upgrade with `pip install -U 'keras>={wanted}'`."
+        )
+
+
+# -- the TensorFlow trainer's train function ---------------------------------------------
+
+
+def train_step_on_batches(model, train_function):
+    """A callable `f(batches) -> logs` that runs `model`'s compiled training step on each
+    batch of the list `batches` (tensors or `PerReplica` values) and returns the last logs.
+
+    From Keras 3.7 that is `train_function` itself. Before, `train_function` only takes an
+    iterator and is traced anew for every Python object it is given, so an equivalent
+    function is built once per `train_function`: the same `model.train_step` under
+    `strategy.run` with the same `jit_compile`, reduced with Keras's own
+    `reduce_per_replica(..., "auto")`, as one `tf.function` of a batch.
+    """
+    if keras_at_least(_KERAS_ITERABLE_TRAIN_FUNCTION):
+        return train_function
+    cached = getattr(model, "_kpipe_step_on_batches", None)
+    if cached is not None and cached[0] is train_function:
+        return cached[1]
+    step = _one_step_on_data(model)
+
+    def run(batches):
+        logs = None
+        for batch in batches:
+            logs = step(batch)
+        return logs
+
+    model._kpipe_step_on_batches = (train_function, run)
+    return run
+
+
+def _one_step_on_data(model):
+    import tensorflow as tf
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+    def one_step_on_data(data):
+        return model.train_step(data)
+
+    if not model.run_eagerly:
+        one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile)
+
+    def one_step_distributed(data):
+        outputs = model.distribute_strategy.run(one_step_on_data, args=(data,))
+        return reduce_per_replica(outputs, model.distribute_strategy, reduction="auto")
+
+    if not model.run_eagerly:
+        one_step_distributed = tf.function(one_step_distributed, reduce_retracing=True)
+    return one_step_distributed
+
+
+# -- fit() with steps_per_epoch -------------------------------------------------------------
+
+
+def finite_steps_per_epoch(steps_per_epoch, num_batches, epochs, initial_epoch=0):
+    """`steps_per_epoch` to pass to `fit()` for a finite `PyDataset` of `num_batches`.
+
+    Keras >= 3.7 restarts a finite dataset after each full pass: any value works and is
+    returned unchanged. Before 3.7, with `steps_per_epoch` set, Keras never restarts it,
+    so a full pass per epoch is passed as `None` (Keras then restarts it every epoch), and
+    anything else that needs more batches than one pass raises.
+
+    Raises:
+        RuntimeError: on Keras < 3.7 when the epochs need more than one pass of a
+            dataset whose `steps_per_epoch` is not its length.
+    """
+    if steps_per_epoch is None or num_batches is None or keras_at_least(_KERAS_ITERABLE_TRAIN_FUNCTION):
+        return steps_per_epoch
+    if steps_per_epoch == num_batches:
+        return None
+    if steps_per_epoch * (epochs - initial_epoch) > num_batches:
+        require_keras(
+            _KERAS_ITERABLE_TRAIN_FUNCTION,
+            f"steps_per_epoch={steps_per_epoch} over {epochs - initial_epoch} epochs of a dataset "
+            f"of {num_batches} batches (Keras restarting a finite dataset after each pass)",
+        )
+    return steps_per_epoch
