@@ -20,10 +20,27 @@ range; every version test about them lives in this module:
             Python iterable of batches (what `train_on_batch` passes), running the
             compiled one-step function on each; `EpochIterator.reset()` exists and a
             finite dataset is restarted after each full pass.
+    < 3.8   under a `tf.distribute` strategy with N > 1 replicas the loss is not
+            divided by N before the gradients are summed across replicas, so every
+            step is N times too large (MirroredStrategy on two devices, or two
+            workers, do not train like one). 3.8 divides each loss by N in
+            `Loss.__call__`; `install_keras_fixes()` divides it in the optimizer's
+            `scale_loss`, which `train_step` calls on the loss inside the gradient tape
+            after the loss tracker has seen it -- the same gradients as 3.8, the same logs.
+    < 3.10  metric variables are not synchronized on read, so under N > 1 replicas the
+            epoch's logs (`History`, `EarlyStopping`, `evaluate()`'s return value) are
+            replica 0's metrics, not all replicas' (the per-step logs are right: Keras
+            averages them over replicas). `install_keras_fixes()` makes the epoch logs
+            the last step's logs under N > 1 replicas -- exact when the replicas see
+            equal shares of each batch, as Keras's batch splitting gives.
     < 3.5   no `_maybe_symbolic_build` (the model is built from the first batch
             inside the first step instead).
+    < 3.7   `BackupAndRestore` has no `double_checkpoint` argument.
+    < 3.9   `fit()` rejects a `tf.distribute` dataset made by
+            `strategy.distribute_datasets_from_function` ("Unrecognized data type").
 
-`train_step_on_batches(model, train_function)` gives the profiler one callable for both,
+`install_keras_fixes()` (idempotent; called where kpipe first meets Keras) patches what
+must be patched; `train_step_on_batches(model, train_function)` gives the profiler one callable for both,
 `finite_steps_per_epoch(...)` is what `fit_generator` passes as `steps_per_epoch`.
 
 Importing this module is cheap: it never imports TensorFlow or Keras itself.
@@ -48,6 +65,9 @@ _SKIP_ENV = "KPIPE_SKIP_VERSION_CHECK"
 
 # Keras versions from which a Keras behaviour kpipe adapts to exists.
 _KERAS_ITERABLE_TRAIN_FUNCTION = (3, 7)  # train_function takes a list of batches; reset()
+_KERAS_SCALES_LOSS_PER_REPLICA = (3, 8)  # Loss.__call__ divides by num_replicas_in_sync
+_KERAS_SYNCS_METRICS_ON_READ = (3, 10)  # metric variables: synchronization="on_read"
+KERAS_FITS_DISTRIBUTED_DATASETS_FROM_FUNCTION = (3, 9)
 
 
 class IncompatibleVersionError(ImportError):
@@ -142,16 +162,83 @@ def keras_at_least(version):
     return keras_version() >= tuple(version)
 
 
-def require_keras(version, feature):
+def require_keras(version, feature, fix=""):
     """Raises RuntimeError naming `feature` when the imported Keras is older than `version`."""
-    if not keras_at_least(version):
-        import keras
-
+    have = keras_version()
+    if have < tuple(version):
         wanted = ".".join(map(str, version))
         raise RuntimeError(
-            f"{feature} needs Keras >= {wanted}; Keras {keras.__version__} is installed. "
-            f"Upgrade with `pip install -U 'keras>={wanted}'`."
+            f"{feature} needs Keras >= {wanted}; Keras {'.'.join(map(str, have))} is installed. "
+            f"Upgrade with `pip install -U 'keras>={wanted}'`{fix}."
         )
+
+
+# -- patches ------------------------------------------------------------------------------
+
+
+def install_keras_fixes():
+    """Patches the imported Keras where it trains differently from the newest (idempotent).
+
+    Keras < 3.8: divides the loss by the number of replicas in sync before the gradients
+    are taken, on the TensorFlow backend, for every optimizer (`LossScaleOptimizer`
+    included). Keras < 3.10: epoch logs under several replicas are the last step's logs.
+    See the NOTE at the top. Nothing is patched on Keras >= 3.10.
+    """
+    if not keras_at_least(_KERAS_SCALES_LOSS_PER_REPLICA):
+        _patch_scale_loss()
+    if not keras_at_least(_KERAS_SYNCS_METRICS_ON_READ):
+        _patch_epoch_logs()
+
+
+def _patch_scale_loss():
+    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+
+    for cls in (base_optimizer.BaseOptimizer, loss_scale_optimizer.LossScaleOptimizer):
+        original = cls.__dict__.get("scale_loss")
+        if original is None or getattr(original, "_kpipe_patched", False):
+            continue
+
+        def scale_loss(self, loss, _original=original):
+            return _original(self, _divide_by_replicas(loss))
+
+        scale_loss._kpipe_patched = True
+        scale_loss.__doc__ = original.__doc__
+        cls.scale_loss = scale_loss
+
+
+def _patch_epoch_logs():
+    from keras.src.trainers import trainer
+
+    original = trainer.Trainer._get_metrics_result_or_logs
+    if getattr(original, "_kpipe_patched", False):
+        return
+
+    def _get_metrics_result_or_logs(self, logs):
+        strategy = getattr(self, "distribute_strategy", None)
+        if isinstance(logs, dict) and logs and getattr(strategy, "num_replicas_in_sync", 1) > 1:
+            # The step's logs are averaged over replicas by Keras; the metrics' result() is replica 0's.
+            return {name: _python_value(value) for name, value in logs.items()}
+        return original(self, logs)
+
+    _get_metrics_result_or_logs._kpipe_patched = True
+    trainer.Trainer._get_metrics_result_or_logs = _get_metrics_result_or_logs
+
+
+def _python_value(value):
+    if hasattr(value, "numpy"):
+        value = value.numpy()
+    return value.item() if getattr(value, "shape", None) == () and hasattr(value, "item") else value
+
+
+def _divide_by_replicas(loss):
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return loss
+    import tensorflow as tf
+
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return loss if replicas == 1 else loss * tf.cast(1.0 / replicas, loss.dtype)
 
 
 # -- the TensorFlow trainer's train function ---------------------------------------------
@@ -227,5 +314,6 @@ def finite_steps_per_epoch(steps_per_epoch, num_batches, epochs, initial_epoch=0
             _KERAS_ITERABLE_TRAIN_FUNCTION,
             f"steps_per_epoch={steps_per_epoch} over {epochs - initial_epoch} epochs of a dataset "
             f"of {num_batches} batches (Keras restarting a finite dataset after each pass)",
+            fix=f", or pass steps_per_epoch={num_batches} (one pass per epoch) or None",
         )
     return steps_per_epoch
