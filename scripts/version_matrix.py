@@ -149,6 +149,18 @@ def run_pair(tf_version, keras_version, *, root, python, pytest_args, reuse, tim
     return row
 
 
+def failure_summary(row, max_lines=60):
+    """pytest's short summary of a failed pair (or the install log's tail), for CI logs."""
+    path = row.get("log")
+    if not path or not os.path.exists(path):
+        return f"{row['tensorflow']}:{row['keras']}: {row['status']}"
+    with open(path, errors="replace") as f:
+        lines = f.read().splitlines()
+    marker = [i for i, line in enumerate(lines) if "short test summary info" in line]
+    shown = lines[marker[-1]:] if marker else lines
+    return "\n".join([f"--- {row['status']}: {path}"] + shown[-max_lines:])
+
+
 def format_table(rows):
     head = ("tensorflow", "keras", "status", "passed", "failed", "errors", "skipped", "xfailed", "install s", "suite s", "pytest args")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -208,6 +220,8 @@ def main(argv=None):
         row = run_pair(tf_version, keras_version, root=args.root, python=args.python, pytest_args=pytest_args,
                        reuse=args.reuse, timeout_s=args.timeout)
         rows.append(row)
+        if row["status"] != "passed":
+            print(failure_summary(row), flush=True)
         print(format_table([row]).splitlines()[-1], flush=True)
     print()
     print(format_table(rows))

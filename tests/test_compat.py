@@ -197,3 +197,11 @@ def test_matrix_script_help_and_dry_run(tmp_path, capsys):
     assert out[1].endswith("tensorflow==2.17.1 keras==3.5.0 -e '.[test]'")
     assert out[2].endswith("-m pytest -p no:cacheprovider -m 'not slow'")
     assert not os.listdir(tmp_path)  # a dry run makes nothing
+
+
+def test_matrix_failure_summary_shows_pytests_short_summary(tmp_path):
+    log = tmp_path / "pytest.log"
+    log.write_text("....F\n=== short test summary info ===\nFAILED tests/t.py::test_x - boom\n=== 1 failed in 2.0s ===\n")
+    text = version_matrix.failure_summary({"log": str(log), "status": "failed", "tensorflow": "2.17.1", "keras": "3.5.0"})
+    assert text.splitlines()[1:] == ["=== short test summary info ===", "FAILED tests/t.py::test_x - boom",
+                                     "=== 1 failed in 2.0s ==="]
