@@ -16,10 +16,14 @@ range; every version test about them lives in this module:
             `TFEpochIterator` keeps one iterator across epochs when
             `steps_per_epoch` is set and never restarts it: a finite dataset runs out
             after one pass ("Your input ran out of data; interrupting training").
+            `steps_per_execution=k` runs k one-step calls in a Python loop, which
+            works under MultiWorkerMirroredStrategy.
     >= 3.7  `model.train_function(x)` takes a `tf.data`/distributed iterator, or any
             Python iterable of batches (what `train_on_batch` passes), running the
             compiled one-step function on each; `EpochIterator.reset()` exists and a
-            finite dataset is restarted after each full pass.
+            finite dataset is restarted after each full pass. `steps_per_execution=k`
+            runs as a `tf.while_loop` over `get_next_as_optional`, which fails under
+            MultiWorkerMirroredStrategy (kpipe's strategy raises a clear error).
     < 3.8   under a `tf.distribute` strategy with N > 1 replicas the loss is not
             divided by N before the gradients are summed across replicas, so every
             step is N times too large (MirroredStrategy on two devices, or two
@@ -33,6 +37,11 @@ range; every version test about them lives in this module:
             averages them over replicas). `install_keras_fixes()` makes the epoch logs
             the last step's logs under N > 1 replicas -- exact when the replicas see
             equal shares of each batch, as Keras's batch splitting gives.
+    < 3.5   the TensorFlow optimizer all-reduces gradients inside its merge call, where
+            there is no replica context, so it does not reduce at all: each replica
+            applies its own gradient and MirroredStrategy's copies of a variable drift
+            apart. `install_keras_fixes()` puts 3.5's order back (all-reduce in the
+            replica context, then the merge call).
     < 3.5   no `_maybe_symbolic_build` (the model is built from the first batch
             inside the first step instead).
     < 3.7   `BackupAndRestore` has no `double_checkpoint` argument.
@@ -65,6 +74,10 @@ _SKIP_ENV = "KPIPE_SKIP_VERSION_CHECK"
 
 # Keras versions from which a Keras behaviour kpipe adapts to exists.
 _KERAS_ITERABLE_TRAIN_FUNCTION = (3, 7)  # train_function takes a list of batches; reset()
+# steps_per_execution > 1 runs as a tf.while_loop in the graph (fails under multi-worker);
+# before, as a Python loop of one-step calls (works under multi-worker).
+KERAS_STEPS_PER_EXECUTION_IN_GRAPH = (3, 7)
+_KERAS_REDUCES_GRADIENTS = (3, 5)  # TFOptimizer all-reduces before its merge call
 _KERAS_SCALES_LOSS_PER_REPLICA = (3, 8)  # Loss.__call__ divides by num_replicas_in_sync
 _KERAS_SYNCS_METRICS_ON_READ = (3, 10)  # metric variables: synchronization="on_read"
 KERAS_FITS_DISTRIBUTED_DATASETS_FROM_FUNCTION = (3, 9)
@@ -179,15 +192,44 @@ def require_keras(version, feature, fix=""):
 def install_keras_fixes():
     """Patches the imported Keras where it trains differently from the newest (idempotent).
 
-    Keras < 3.8: divides the loss by the number of replicas in sync before the gradients
+    Keras < 3.5: all-reduces gradients across replicas before applying them. Keras < 3.8: divides the loss by the number of replicas in sync before the gradients
     are taken, on the TensorFlow backend, for every optimizer (`LossScaleOptimizer`
     included). Keras < 3.10: epoch logs under several replicas are the last step's logs.
     See the NOTE at the top. Nothing is patched on Keras >= 3.10.
     """
+    if not keras_at_least(_KERAS_REDUCES_GRADIENTS):
+        _patch_gradient_all_reduce()
     if not keras_at_least(_KERAS_SCALES_LOSS_PER_REPLICA):
         _patch_scale_loss()
     if not keras_at_least(_KERAS_SYNCS_METRICS_ON_READ):
         _patch_epoch_logs()
+
+
+def _patch_gradient_all_reduce():
+    # `_backend_update_step` / `_distributed_tf_update_step` as Keras 3.5 wrote them.
+    import tensorflow as tf
+    from keras.src import backend
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    if getattr(TFOptimizer._backend_update_step, "_kpipe_patched", False):
+        return
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        trainable_variables = [v.value if isinstance(v, backend.Variable) else v for v in trainable_variables]
+        grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            self._distributed_tf_update_step, self._distribution_strategy, grads_and_vars, learning_rate)
+
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        def apply_grad_to_update_var(var, grad, learning_rate):
+            return self.update_step(grad, var, learning_rate)
+
+        for grad, var in grads_and_vars:
+            distribution.extended.update(var, apply_grad_to_update_var, args=(grad, learning_rate), group=False)
+
+    _backend_update_step._kpipe_patched = True
+    TFOptimizer._backend_update_step = _backend_update_step
+    TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step
 
 
 def _patch_scale_loss():

@@ -205,3 +205,20 @@ def test_matrix_failure_summary_shows_pytests_short_summary(tmp_path):
     text = version_matrix.failure_summary({"log": str(log), "status": "failed", "tensorflow": "2.17.1", "keras": "3.5.0"})
     assert text.splitlines()[1:] == ["=== short test summary info ===", "FAILED tests/t.py::test_x - boom",
                                      "=== 1 failed in 2.0s ==="]
+
+
+def test_install_keras_fixes_patches_only_older_keras():
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from keras.src.trainers.trainer import Trainer
+
+    methods = (TFOptimizer._backend_update_step, BaseOptimizer.scale_loss, Trainer._get_metrics_result_or_logs)
+    _compat.install_keras_fixes()
+    _compat.install_keras_fixes()  # idempotent
+    patched = [getattr(m, "_kpipe_patched", False) for m in
+               (TFOptimizer._backend_update_step, BaseOptimizer.scale_loss, Trainer._get_metrics_result_or_logs)]
+    version = _compat.keras_version()
+    assert patched == [version < (3, 5), version < (3, 8), version < (3, 10)]
+    if version >= (3, 10):
+        assert (TFOptimizer._backend_update_step, BaseOptimizer.scale_loss,
+                Trainer._get_metrics_result_or_logs) == methods
