@@ -14,7 +14,7 @@ newest one TensorFlow's requirement allows). Without `--pair`, the pairs of the 
 "Tested with" table are run (`--list` shows them).
 
     python scripts/version_matrix.py --list
-    python scripts/version_matrix.py --pair 2.16.2:3.3.3                # oldest declared pair
+    python scripts/version_matrix.py --oldest                            # oldest declared pair
     python scripts/version_matrix.py --pair 2.19.1 -- -m "not slow"     # pytest args after --
     python scripts/version_matrix.py --reuse --json matrix.json         # keep venvs between runs
 
@@ -191,6 +191,8 @@ def main(argv=None):
         epilog="Arguments after `--` go to pytest (e.g. -- -m 'not slow').")
     parser.add_argument("--pair", action="append", default=[], metavar="TF[:KERAS]",
                         help="a TensorFlow[:Keras] pair; repeatable. Defaults to the README's table.")
+    parser.add_argument("--oldest", action="store_true",
+                        help="only the table's oldest pair (setup.cfg's floors), as CI runs it")
     parser.add_argument("--root", default=os.environ.get("KPIPE_MATRIX_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "kpipe", "matrix"), help="folder for the venvs and logs")
     parser.add_argument("--python", default=sys.executable, help="interpreter the venvs are made from")
@@ -202,6 +204,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         pairs = [parse_pair(p) for p in args.pair] or [(tf, keras) for tf, keras, _ in MATRIX]
+        if args.oldest:
+            pairs = [(MATRIX[0][0], MATRIX[0][1])]
     except ValueError as exc:
         parser.error(str(exc))
     if args.list:

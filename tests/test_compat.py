@@ -113,7 +113,7 @@ def _readme_tested_pairs():
 def test_setup_cfg_floors_are_the_oldest_tested_pair():
     assert _setup_cfg_floors() == {"tensorflow": _compat.MIN_TENSORFLOW, "keras": _compat.MIN_KERAS}
     oldest = min(version_matrix.MATRIX, key=lambda row: _compat.parse_version(row[0]))
-    assert oldest[:2] == (_compat.MIN_TENSORFLOW, _compat.MIN_KERAS)
+    assert oldest[:2] == version_matrix.MATRIX[0][:2] == (_compat.MIN_TENSORFLOW, _compat.MIN_KERAS)
 
 
 def test_readme_table_lists_the_matrix_script_pairs():
@@ -197,6 +197,8 @@ def test_matrix_script_help_and_dry_run(tmp_path, capsys):
     assert out[1].endswith("tensorflow==2.17.1 keras==3.5.0 -e '.[test]'")
     assert out[2].endswith("-m pytest -p no:cacheprovider -m 'not slow'")
     assert not os.listdir(tmp_path)  # a dry run makes nothing
+    assert version_matrix.main(["--list", "--oldest"]) == 0
+    assert capsys.readouterr().out.split() == [":".join(version_matrix.MATRIX[0][:2])]
 
 
 def test_matrix_failure_summary_shows_pytests_short_summary(tmp_path):
