@@ -8,49 +8,48 @@ are its oldest row and equal the floors in `setup.cfg`. `import kpipe` refuses o
 versions (`check_versions`). Keras internals that kpipe relies on changed inside that
 range; every version test about them lives in this module:
 
-    Keras   TensorFlow trainer (`keras/src/backend/tensorflow/trainer.py`)
-    -----   --------------------------------------------------------------
-    < 3.7   `model.train_function` is a `tf.function` of an *iterator* that calls
-            `next(iterator)` inside the graph. A Python list is no iterator, and any
-            Python object passed to it is traced anew on every call.
-            `TFEpochIterator` keeps one iterator across epochs when
-            `steps_per_epoch` is set and never restarts it: a finite dataset runs out
-            after one pass ("Your input ran out of data; interrupting training").
-            `steps_per_execution=k` runs k one-step calls in a Python loop, which
-            works under MultiWorkerMirroredStrategy.
-    >= 3.7  `model.train_function(x)` takes a `tf.data`/distributed iterator, or any
-            Python iterable of batches (what `train_on_batch` passes), running the
-            compiled one-step function on each; `EpochIterator.reset()` exists and a
-            finite dataset is restarted after each full pass. `steps_per_execution=k`
-            runs as a `tf.while_loop` over `get_next_as_optional`, which fails under
-            MultiWorkerMirroredStrategy (kpipe's strategy raises a clear error).
-    < 3.8   under a `tf.distribute` strategy with N > 1 replicas the loss is not
-            divided by N before the gradients are summed across replicas, so every
-            step is N times too large (MirroredStrategy on two devices, or two
-            workers, do not train like one). 3.8 divides each loss by N in
-            `Loss.__call__`; `install_keras_fixes()` divides it in the optimizer's
-            `scale_loss`, which `train_step` calls on the loss inside the gradient tape
-            after the loss tracker has seen it -- the same gradients as 3.8, the same logs.
-    < 3.10  metric variables are not synchronized on read, so under N > 1 replicas the
-            epoch's logs (`History`, `EarlyStopping`, `evaluate()`'s return value) are
-            replica 0's metrics, not all replicas' (the per-step logs are right: Keras
-            averages them over replicas). `install_keras_fixes()` makes the epoch logs
-            the last step's logs under N > 1 replicas -- exact when the replicas see
-            equal shares of each batch, as Keras's batch splitting gives.
-    < 3.5   the TensorFlow optimizer all-reduces gradients inside its merge call, where
+    Keras   what differs from the newest Keras, and what kpipe does about it
+    -----   ----------------------------------------------------------------
+    < 3.5   The TensorFlow optimizer all-reduces gradients inside its merge call, where
             there is no replica context, so it does not reduce at all: each replica
             applies its own gradient and MirroredStrategy's copies of a variable drift
             apart. `install_keras_fixes()` puts 3.5's order back (all-reduce in the
-            replica context, then the merge call).
-    < 3.5   no `_maybe_symbolic_build` (the model is built from the first batch
-            inside the first step instead).
-    < 3.7   `BackupAndRestore` has no `double_checkpoint` argument.
-    < 3.9   `fit()` rejects a `tf.distribute` dataset made by
-            `strategy.distribute_datasets_from_function` ("Unrecognized data type").
+            replica context, then the merge call). No `_maybe_symbolic_build` (the
+            model is built inside the first traced step). Keras 3.3/3.4 never call a
+            dataset's `on_epoch_begin` (it appeared in 3.5).
+    < 3.7   `model.train_function` is a `tf.function` of an *iterator* that calls
+            `next(iterator)` in the graph: a Python list is no iterator, and any Python
+            object passed to it is traced anew on every call, so
+            `train_step_on_batches()` builds Keras's one-step function for the profiler.
+            `TFEpochIterator` keeps one iterator across epochs when `steps_per_epoch`
+            is set and never restarts it: a finite dataset runs out after one pass
+            ("Your input ran out of data; interrupting training"), so
+            `finite_steps_per_epoch()` passes a full pass as `None`.
+            `steps_per_execution=k` runs k one-step calls in a Python loop, which works
+            under MultiWorkerMirroredStrategy. `BackupAndRestore` has no
+            `double_checkpoint` argument.
+    >= 3.7  `train_function` also takes a Python iterable of batches (as
+            `train_on_batch` passes it); `EpochIterator.reset()` restarts a finite
+            dataset after each pass; `steps_per_execution=k` is a `tf.while_loop` over
+            `get_next_as_optional`, which fails under MultiWorkerMirroredStrategy
+            (kpipe's strategy raises a clear error instead).
+    < 3.8   Under a `tf.distribute` strategy with N > 1 replicas the loss is not divided
+            by N before the gradients are summed across replicas: every step is N times
+            too large. 3.8 divides each loss by N in `Loss.__call__`;
+            `install_keras_fixes()` divides it in the optimizer's `scale_loss`, which
+            `train_step` calls on the loss inside the tape after the loss tracker saw
+            it: the same gradients and logs as 3.8.
+    < 3.9   `fit()` rejects a dataset from `strategy.distribute_datasets_from_function`
+            ("Unrecognized data type"); nothing kpipe can fix from outside `fit()`.
+    < 3.10  Metric variables are not synchronized on read: under N > 1 replicas the
+            epoch's logs (`History`, callbacks, `evaluate()`) are replica 0's metrics
+            (per-step logs are right: Keras averages them over replicas).
+            `install_keras_fixes()` makes the epoch logs the last step's logs under
+            N > 1 replicas -- exact when replicas get equal shares of each batch, as
+            Keras's batch splitting gives.
 
-`install_keras_fixes()` (idempotent; called where kpipe first meets Keras) patches what
-must be patched; `train_step_on_batches(model, train_function)` gives the profiler one callable for both,
-`finite_steps_per_epoch(...)` is what `fit_generator` passes as `steps_per_epoch`.
+`install_keras_fixes()` is idempotent and patches nothing on Keras >= 3.10; kpipe's
+strategies (`kpipe.distribute`) call it on import.
 
 Importing this module is cheap: it never imports TensorFlow or Keras itself.
 """
