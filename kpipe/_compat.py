@@ -10,13 +10,10 @@ range; every version test about them lives in this module:
 
     Keras   what differs from the newest Keras, and what kpipe does about it
     -----   ----------------------------------------------------------------
-    < 3.5   The TensorFlow optimizer all-reduces gradients inside its merge call, where
-            there is no replica context, so it does not reduce at all: each replica
-            applies its own gradient and MirroredStrategy's copies of a variable drift
-            apart. `install_keras_fixes()` puts 3.5's order back (all-reduce in the
-            replica context, then the merge call). No `_maybe_symbolic_build` (the
-            model is built inside the first traced step). Keras 3.3/3.4 never call a
-            dataset's `on_epoch_begin` (it appeared in 3.5).
+    < 3.5   Not supported (below `MIN_KERAS`): the TensorFlow optimizer all-reduces
+            gradients inside its merge call, where there is no replica context, so it
+            does not reduce at all and MirroredStrategy's copies of a variable drift
+            apart; Keras 3.3/3.4 never call a dataset's `on_epoch_begin`.
     < 3.7   `model.train_function` is a `tf.function` of an *iterator* that calls
             `next(iterator)` in the graph: a Python list is no iterator, and any Python
             object passed to it is traced anew on every call, so
@@ -60,7 +57,7 @@ import sys
 
 # The oldest tested pair (README "Tested with", setup.cfg install_requires).
 MIN_TENSORFLOW = "2.16.2"
-MIN_KERAS = "3.3.3"
+MIN_KERAS = "3.5.0"
 
 # Distributions that provide the `tensorflow` / `keras` modules.
 _DISTRIBUTIONS = {
@@ -76,7 +73,6 @@ _KERAS_ITERABLE_TRAIN_FUNCTION = (3, 7)  # train_function takes a list of batche
 # steps_per_execution > 1 runs as a tf.while_loop in the graph (fails under multi-worker);
 # before, as a Python loop of one-step calls (works under multi-worker).
 KERAS_STEPS_PER_EXECUTION_IN_GRAPH = (3, 7)
-_KERAS_REDUCES_GRADIENTS = (3, 5)  # TFOptimizer all-reduces before its merge call
 _KERAS_SCALES_LOSS_PER_REPLICA = (3, 8)  # Loss.__call__ divides by num_replicas_in_sync
 _KERAS_SYNCS_METRICS_ON_READ = (3, 10)  # metric variables: synchronization="on_read"
 KERAS_FITS_DISTRIBUTED_DATASETS_FROM_FUNCTION = (3, 9)
@@ -191,44 +187,15 @@ def require_keras(version, feature, fix=""):
 def install_keras_fixes():
     """Patches the imported Keras where it trains differently from the newest (idempotent).
 
-    Keras < 3.5: all-reduces gradients across replicas before applying them. Keras < 3.8: divides the loss by the number of replicas in sync before the gradients
+    Keras < 3.8: divides the loss by the number of replicas in sync before the gradients
     are taken, on the TensorFlow backend, for every optimizer (`LossScaleOptimizer`
     included). Keras < 3.10: epoch logs under several replicas are the last step's logs.
     See the NOTE at the top. Nothing is patched on Keras >= 3.10.
     """
-    if not keras_at_least(_KERAS_REDUCES_GRADIENTS):
-        _patch_gradient_all_reduce()
     if not keras_at_least(_KERAS_SCALES_LOSS_PER_REPLICA):
         _patch_scale_loss()
     if not keras_at_least(_KERAS_SYNCS_METRICS_ON_READ):
         _patch_epoch_logs()
-
-
-def _patch_gradient_all_reduce():
-    # `_backend_update_step` / `_distributed_tf_update_step` as Keras 3.5 wrote them.
-    import tensorflow as tf
-    from keras.src import backend
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
-    if getattr(TFOptimizer._backend_update_step, "_kpipe_patched", False):
-        return
-
-    def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        trainable_variables = [v.value if isinstance(v, backend.Variable) else v for v in trainable_variables]
-        grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            self._distributed_tf_update_step, self._distribution_strategy, grads_and_vars, learning_rate)
-
-    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
-        def apply_grad_to_update_var(var, grad, learning_rate):
-            return self.update_step(grad, var, learning_rate)
-
-        for grad, var in grads_and_vars:
-            distribution.extended.update(var, apply_grad_to_update_var, args=(grad, learning_rate), group=False)
-
-    _backend_update_step._kpipe_patched = True
-    TFOptimizer._backend_update_step = _backend_update_step
-    TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step
 
 
 def _patch_scale_loss():
