@@ -70,6 +70,12 @@ _SKIP_ENV = "KPIPE_SKIP_VERSION_CHECK"
 
 # Keras versions from which a Keras behaviour kpipe adapts to exists.
 _KERAS_ITERABLE_TRAIN_FUNCTION = (3, 7)  # train_function takes a list of batches; reset()
+# For kpipe's Keras hook (kpipe/_keras_hook.py, kpipe/loader.py): EpochIterator.reset(),
+# _enumerate_iterator(), __iter__/__next__ and _interrupted_warning() exist from 3.7 (before:
+# enumerate_epoch() only, and fit() calls no reset); _enumerate_iterator() yields
+# (begin_step, end_step, iterator) from 3.11, (step, iterator) before.
+KERAS_EPOCH_ITERATOR_RESET = (3, 7)
+KERAS_EPOCH_ITERATOR_BEGIN_END_STEPS = (3, 11)
 # steps_per_execution > 1 runs as a tf.while_loop in the graph (fails under multi-worker);
 # before, as a Python loop of one-step calls (works under multi-worker).
 KERAS_STEPS_PER_EXECUTION_IN_GRAPH = (3, 7)
