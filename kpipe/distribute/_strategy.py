@@ -37,7 +37,7 @@ from kpipe.distribute import _sharding
 from kpipe.distribute._cluster import cluster_info
 
 _keras_hook.install()
-_compat.install_keras_fixes()  # Keras < 3.8: per-replica loss scaling (kpipe/_compat.py)
+_compat.install_keras_fixes()  # Keras < 3.8 loss per replica, < 3.10 epoch logs (kpipe/_compat.py)
 
 logger = logging.getLogger("kpipe.distribute")
 
