@@ -35,11 +35,17 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The README's "Tested with" table: (tensorflow, keras or None for pip's choice, markers).
-# Keep the two in step; setup.cfg's floors are the first row's versions.
+# The README's "Tested with" table: (tensorflow, keras, pytest -m expression or "" for the
+# whole suite). Keep the two in step; setup.cfg's floors are the first row's versions. The
+# middle TensorFlow releases run with the Keras pip resolves for them (the newest) and
+# without the slow, multi-worker and notebook tests (the whole suite is ~10 min a pair).
+_QUICK = "not slow and not multiworker and not notebook"
 MATRIX = (
     ("2.16.2", "3.5.0", ""),
     ("2.17.1", "3.5.0", ""),
+    ("2.18.1", "3.15.1", _QUICK),
+    ("2.19.1", "3.15.1", _QUICK),
+    ("2.20.0", "3.15.1", _QUICK),
     ("2.21.0", "3.15.1", ""),
 )
 
@@ -203,25 +209,26 @@ def main(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = parser.parse_args(argv)
     try:
-        pairs = [parse_pair(p) for p in args.pair] or [(tf, keras) for tf, keras, _ in MATRIX]
+        pairs = [parse_pair(p) + (None,) for p in args.pair] or list(MATRIX)
         if args.oldest:
-            pairs = [(MATRIX[0][0], MATRIX[0][1])]
+            pairs = [MATRIX[0]]
     except ValueError as exc:
         parser.error(str(exc))
     if args.list:
-        for tf_version, keras_version in pairs:
-            print(f"{tf_version}:{keras_version or '(pip resolves)'}")
+        for tf_version, keras_version, markers in pairs:
+            print(f"{tf_version}:{keras_version or '(pip resolves)'}" + (f" -m {markers!r}" if markers else ""))
         return 0
     if args.dry_run:
-        for tf_version, keras_version in pairs:
+        for tf_version, keras_version, markers in pairs:
             venv = os.path.join(args.root, venv_name(tf_version, keras_version))
             for command in ([args.python, "-m", "venv", venv], install_command(venv, tf_version, keras_version),
-                            pytest_command(venv, pytest_args)):
+                            pytest_command(venv, _args_for(markers, pytest_args))):
                 print(shlex.join(command))
         return 0
     rows = []
-    for tf_version, keras_version in pairs:
-        row = run_pair(tf_version, keras_version, root=args.root, python=args.python, pytest_args=pytest_args,
+    for tf_version, keras_version, markers in pairs:
+        row = run_pair(tf_version, keras_version, root=args.root, python=args.python,
+                       pytest_args=_args_for(markers, pytest_args),
                        reuse=args.reuse, timeout_s=args.timeout)
         rows.append(row)
         if row["status"] != "passed":
@@ -233,6 +240,11 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=2)
     return 0 if rows and all(r["status"] == "passed" for r in rows) else 1
+
+
+def _args_for(markers, pytest_args):
+    """pytest arguments for a pair: those given after `--`, else the table's markers."""
+    return list(pytest_args) if pytest_args or not markers else ["-m", markers]
 
 
 def _venv_python(venv):

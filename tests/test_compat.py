@@ -106,7 +106,7 @@ def _readme_tested_pairs():
     with open(os.path.join(REPO, "README.md")) as f:
         text = f.read()
     section = text.split("<!-- BEGIN tested-with", 1)[1].split("<!-- END tested-with", 1)[0]
-    return [tuple(cell.strip() for cell in row.strip("|").split("|")[:2])
+    return [tuple(cell.strip() for cell in row.strip("|").split("|")[:3])
             for row in section.splitlines() if re.match(r"\|\s*\d", row)]
 
 
@@ -117,7 +117,7 @@ def test_setup_cfg_floors_are_the_oldest_tested_pair():
 
 
 def test_readme_table_lists_the_matrix_script_pairs():
-    assert _readme_tested_pairs() == [(tf, k) for tf, k, _ in version_matrix.MATRIX]
+    assert _readme_tested_pairs() == [(tf, k, f"`-m \"{m}\"`" if m else "all") for tf, k, m in version_matrix.MATRIX]
     with open(os.path.join(REPO, "README.md")) as f:
         assert f"TensorFlow {_compat.MIN_TENSORFLOW}+ and Keras {_compat.MIN_KERAS}+" in f.read()
 
@@ -199,6 +199,11 @@ def test_matrix_script_help_and_dry_run(tmp_path, capsys):
     assert not os.listdir(tmp_path)  # a dry run makes nothing
     assert version_matrix.main(["--list", "--oldest"]) == 0
     assert capsys.readouterr().out.split() == [":".join(version_matrix.MATRIX[0][:2])]
+    version_matrix.main(["--dry-run", "--root", str(tmp_path)])  # the table, each row with its markers
+    commands = capsys.readouterr().out.splitlines()
+    assert len(commands) == 3 * len(version_matrix.MATRIX)
+    for (tf, keras, markers), pytest_line in zip(version_matrix.MATRIX, commands[2::3]):
+        assert pytest_line.endswith(f"-m '{markers}'" if markers else "no:cacheprovider")
 
 
 def test_matrix_failure_summary_shows_pytests_short_summary(tmp_path):
