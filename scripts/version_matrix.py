@@ -37,11 +37,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The README's "Tested with" table: (tensorflow, keras, pytest -m expression or "" for the
 # whole suite). Keep the two in step; setup.cfg's floors are the first row's versions. The
-# middle TensorFlow releases run with the Keras pip resolves for them (the newest) and
+# other TensorFlow releases also run with the Keras pip resolves for them (the newest),
 # without the slow, multi-worker and notebook tests (the whole suite is ~10 min a pair).
 _QUICK = "not slow and not multiworker and not notebook"
 MATRIX = (
     ("2.16.2", "3.5.0", ""),
+    ("2.16.2", "3.15.1", _QUICK),
     ("2.17.1", "3.5.0", ""),
     ("2.18.1", "3.15.1", _QUICK),
     ("2.19.1", "3.15.1", _QUICK),
