@@ -13,12 +13,20 @@ Public API (everything else lives in private `_` modules):
 
 Importing `kpipe` is cheap: TensorFlow and Keras are imported only when a name that needs
 them is first used, so loader worker processes never import TensorFlow on kpipe's account.
+Importing it checks, from package metadata and without importing them, that TensorFlow and
+Keras are at least the oldest tested pair (README "Tested with"), and raises
+`kpipe.IncompatibleVersionError` (an `ImportError`) naming both versions otherwise.
 """
 
-from kpipe import _lazy
-from kpipe._engine._alloc import empty
-from kpipe._engine.worker_info import WorkerInfo, worker_info
-from kpipe.errors import (
+from kpipe import _compat
+
+_compat.check_versions()
+
+from kpipe import _lazy  # noqa: E402
+from kpipe._engine._alloc import empty  # noqa: E402
+from kpipe._engine.worker_info import WorkerInfo, worker_info  # noqa: E402
+from kpipe._compat import IncompatibleVersionError  # noqa: E402
+from kpipe.errors import (  # noqa: E402
     BatchStructureError,
     BatchTimeoutError,
     DatasetPicklingError,
@@ -40,6 +48,7 @@ __all__ = [
     "BatchStructureError",
     "BatchTimeoutError",
     "DatasetPicklingError",
+    "IncompatibleVersionError",
     "LoaderClosedError",
     "LoaderError",
     "ProcessLoader",

@@ -4,6 +4,7 @@ import warnings
 
 import keras
 
+from kpipe import _compat
 from kpipe.loader import ProcessLoader
 
 
@@ -111,6 +112,12 @@ def fit_generator(
     try:
         train = wrap(generator, shuffle, "generator")
         val = wrap(validation_data, False, "validation_data") if validation_data is not None else None
+        # Keras < 3.7 never restarts a finite dataset when steps are given: see _compat.
+        steps_per_epoch = _compat.finite_steps_per_epoch(
+            steps_per_epoch, _finite_length(train), epochs, initial_epoch)
+        validation_steps = _compat.finite_steps_per_epoch(
+            validation_steps, _finite_length(val), -(-epochs // validation_freq)
+            if isinstance(validation_freq, int) else epochs)
         return model.fit(
             train,
             steps_per_epoch=steps_per_epoch,
@@ -127,6 +134,10 @@ def fit_generator(
     finally:
         for loader in owned:
             loader.close()
+
+
+def _finite_length(loader):
+    return loader.num_batches if isinstance(loader, ProcessLoader) else None
 
 
 def _indexable(data):

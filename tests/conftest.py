@@ -9,7 +9,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 def kpipe_children():
     """Live child processes of this process (kpipe workers among them)."""
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return [p for p in psutil.Process().children(recursive=True) if _alive(p)]
+
+
+def _alive(process):
+    # A child can exit between children() and status(): that one is not alive either.
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def memfd_count():

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import kpipe.data
+from kpipe import _compat
 from kpipe.data._source import source_of
 
 N = 96
@@ -219,6 +220,9 @@ _STRATEGY_PROGRAM = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.skipif(
+    not _compat.keras_at_least(_compat.KERAS_FITS_DISTRIBUTED_DATASETS_FROM_FUNCTION),
+    reason="Keras < 3.9 fit() rejects a dataset from distribute_datasets_from_function (see kpipe/_compat.py)")
 def test_works_inside_distribute_datasets_from_function():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, "-c", _STRATEGY_PROGRAM], env=env, capture_output=True, text=True, timeout=170)

@@ -21,7 +21,9 @@ a thin wrapper that does the `next(iterator)` itself, in Python, timed with
 one-element list. Keras's train function accepts any Python iterable of batches (that is
 how `train_on_batch` feeds it): for a non-`tf.data` iterator it runs the same compiled
 `one_step_on_data` (same `tf.function`, same `jit_compile`, same `strategy.run` and
-cross-replica reduction) on the batch it is given. Hence:
+cross-replica reduction) on the batch it is given. (Before Keras 3.7 the train function
+takes iterators only; `kpipe._compat.train_step_on_batches` then builds that one-step
+function the way Keras does.) Hence:
 
 * input wait  = time blocked in `next(iterator)`: the moment the step asks for data until
   the batch is on the replicas' devices. This is exactly what the compiled step would
@@ -63,6 +65,8 @@ import warnings
 
 import keras
 
+from kpipe import _compat
+
 _KEYS = ("input_wait_share", "steps_per_sec", "samples_per_sec")
 _GET_NEXT = None  # tf.function(lambda it: it.get_next()), made on first use
 
@@ -76,6 +80,8 @@ class _TimedTrainFunction:
         self.original = original
         self.profiler = profiler
         self._tf = tf
+        # Keras's train function on a list of batches (built for Keras < 3.7: kpipe/_compat.py).
+        self._on_batches = _compat.train_step_on_batches(profiler.model, original)
 
     def _fetch(self, iterator):
         """`next(iterator)`; a `tf.distribute` iterator's `get_next` runs as one graph call."""
@@ -109,7 +115,7 @@ class _TimedTrainFunction:
             batches.append(batch)
         if not batches:
             raise StopIteration
-        logs = self.original(batches)
+        logs = self._on_batches(batches)
         profiler._record(start, time.perf_counter(), wait_s, batches)
         return logs
 

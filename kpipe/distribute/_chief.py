@@ -125,9 +125,10 @@ def _with_backup_dir(callback, backup_dir: str):
     if backup_dir == callback.backup_dir:
         return callback
     new = copy.copy(callback)
-    new.__init__(backup_dir, save_freq=callback.save_freq,
-                 double_checkpoint=callback.double_checkpoint,
-                 delete_checkpoint=callback.delete_checkpoint)
+    # Re-run __init__ with the options this Keras has (`double_checkpoint`: 3.7+).
+    options = {name: getattr(callback, name) for name in
+               ("save_freq", "double_checkpoint", "delete_checkpoint") if hasattr(callback, name)}
+    new.__init__(backup_dir, **options)
     return new
 
 

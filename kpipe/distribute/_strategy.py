@@ -32,11 +32,12 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from kpipe import _keras_hook
+from kpipe import _compat, _keras_hook
 from kpipe.distribute import _sharding
 from kpipe.distribute._cluster import cluster_info
 
 _keras_hook.install()
+_compat.install_keras_fixes()  # Keras < 3.8 loss per replica, < 3.10 epoch logs (kpipe/_compat.py)
 
 logger = logging.getLogger("kpipe.distribute")
 
