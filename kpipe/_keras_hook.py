@@ -48,6 +48,9 @@ def install():
         return
     data_adapters.PyDatasetAdapter = _make_adapter(base)
     _wrap_symbolic_build()
+    from kpipe import _compat
+
+    _compat.install_keras_fixes()  # a user's own strategy with a ProcessLoader gets them too
 
 
 def _make_adapter(base):

@@ -129,7 +129,7 @@ def test_fit_with_threads_and_a_stateful_dataset_keeps_whole_passes(tmp_path, no
     # plain Keras calls on_epoch_end after every Keras epoch, mid-pass: batches repeat
     plain = ReplacingIds(n)
     keras_ids, _ = consumed(new_model().fit, plain, epochs=6, steps_per_epoch=5, shuffle=False)
-    assert plain.ends == 7 and sorted(keras_ids[:n]) != list(range(n))
+    assert plain.ends >= 6 and sorted(keras_ids[:n]) != list(range(n))  # (+1 before epoch 0 from Keras 3.7)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5])

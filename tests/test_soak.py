@@ -115,3 +115,38 @@ def test_200_open_use_close_cycles_leave_nothing(no_leaks):
     assert fds_after <= fds_before, out.stdout
     assert memfds_after <= memfds_before == 0, out.stdout
     assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
+
+
+def test_200_fits_on_dropped_loaders_leave_nothing_behind(record_property):
+    """The notebook pattern: `model.fit(kpipe.ProcessLoader(ds))`, never closed, 200 times.
+    Keras's traced graphs keep the adapter (and would keep the loader) forever; kpipe's
+    adapter holds it weakly, so each loader's workers stop when fit() returns."""
+    import keras
+    import numpy as np
+    from _keras_datasets import BatchIds
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    before = {p.pid for p in kpipe_children()}
+    me = psutil.Process()
+
+    def fit_and_drop():
+        model.fit(kpipe.ProcessLoader(BatchIds(3), workers=2), epochs=1, verbose=0)
+
+    for _ in range(20):  # warm up TensorFlow's caches
+        fit_and_drop()
+    gc.collect()
+    fds, rss = fd_count(me.pid), me.memory_info().rss
+    for _ in range(180):
+        fit_and_drop()
+    gc.collect()
+    left = [p for p in kpipe_children() if p.pid not in before]
+    growth = (me.memory_info().rss - rss) / 180
+    record_property("rss_growth_per_fit_kib", round(growth / 1024, 1))
+    record_property("fds_after_200", fd_count(me.pid))
+    assert not left, f"{len(left)} worker processes outlived their loaders"
+    assert fd_count(me.pid) <= fds + 2, "file descriptors accumulate"
+    # TensorFlow itself keeps a little per fit() (each from_generator registers a function
+    # forever); a leaked loader would keep its slots and arrays: far more than this.
+    assert growth < 256 * 1024, f"RSS grew {growth / 1024:.0f} KiB per fit()"
+    assert np.isfinite(model.get_weights()[0]).all()
