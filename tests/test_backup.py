@@ -284,8 +284,15 @@ class CrashAtStep(keras.callbacks.Callback):
             raise RuntimeError("simulated crash")
 
 
+from kpipe import _compat  # noqa: E402
+
+_OLD_KERAS = pytest.mark.skipif(not _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET),
+                                reason="Keras < 3.7 stops after one pass with steps_per_epoch")
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("steps, save_freq, crash", [(None, 5, 13), (3, 4, 9), (5, 3, 10), (3, "epoch", 7)],
+@pytest.mark.parametrize("steps, save_freq, crash", [(None, 5, 13), pytest.param(3, 4, 9, marks=_OLD_KERAS),
+                                                     pytest.param(5, 3, 10, marks=_OLD_KERAS), pytest.param(3, "epoch", 7, marks=_OLD_KERAS)],
                          ids=["epochs-are-passes", "steps3-save-at-pass-end", "steps5", "steps3-epoch-backups"])
 def test_mid_epoch_resume_trains_the_same_batches_and_weights(steps, save_freq, crash, tmp_path, no_leaks):
     epochs = 4
@@ -330,3 +337,11 @@ def test_backups_of_an_older_format_are_refused_with_the_reason(tmp_path):
     (old / "metadata.json").write_text(json.dumps({"format": 9, "index": 1, "files": {}}))
     with pytest.raises(ValueError, match="newer kpipe.*upgrade kpipe"):
         _backup.complete_epochs(str(tmp_path))
+
+
+@pytest.mark.skipif(_compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET), reason="Keras >= 3.7 restarts passes")
+def test_mid_pass_backups_need_a_keras_that_restarts_passes(tmp_path, no_leaks):
+    with kpipe.ProcessLoader(Batches(), workers=0) as loader:
+        with pytest.raises(RuntimeError, match=r"steps_per_epoch=3 \(the loader has 8 batches per pass\) needs Keras >= 3.7"):
+            _model().fit(loader, epochs=1, steps_per_epoch=3, verbose=0,
+                         callbacks=[BackupAndRestore(str(tmp_path), save_freq=2, loaders=loader)])

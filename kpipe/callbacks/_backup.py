@@ -203,6 +203,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"but the model was compiled with steps_per_execution="
                 f"{_steps_per_execution(self.model)}. Compile with steps_per_execution=1 or "
                 "use save_freq='epoch'.")
+        self._check_keras_restarts_passes()
         strategy = self.model.distribute_strategy
         workers = _num_workers(strategy)
         self._retain = max(self.keep, 2) if workers > 1 else self.keep
@@ -266,6 +267,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         _rmdir_if_empty(self.worker_dir)
         if self.backup_dir != self.worker_dir:  # the others' worker dirs may still be there
             _rmdir_if_empty(self.backup_dir)
+
+    def _check_keras_restarts_passes(self):
+        """Keras < 3.7 never restarts a finite input when `steps_per_epoch` is shorter than
+        it (training stops after one pass, as with any PyDataset): positions inside a pass
+        cannot be resumed there."""
+        from kpipe import _compat
+
+        steps = self.params.get("steps") if self.params else None
+        lengths = {len(loader) for loader in self.loaders if getattr(loader, "num_batches", None)}
+        if self.loaders and steps and lengths and lengths != {steps}:
+            _compat.require_keras(_compat.KERAS_EPOCH_ITERATOR_RESET,
+                                  f"BackupAndRestore(loaders=...) with steps_per_epoch={steps} "
+                                  f"(the loader has {sorted(lengths)[0]} batches per pass)",
+                                  ", or leave steps_per_epoch unset")
 
     # ------------------------------------------------------------------ saving
     def _save(self, index: int) -> None:
