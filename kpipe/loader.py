@@ -340,7 +340,7 @@ class ProcessLoader(keras.utils.PyDataset):
 
         def generate():
             for batch in stream_batches(ref):
-                yield tuple(batch) if isinstance(batch, list) else batch
+                yield _lists_to_tuples(batch)
 
         ds = tf.data.Dataset.from_generator(generate, output_signature=signature)
         if finite and not self._stateful and self._cursor.head[1] == 0:
@@ -480,8 +480,7 @@ class ProcessLoader(keras.utils.PyDataset):
         for a, b in zip(leaves, second):
             shape = [None] + [d if d == e else None for d, e in zip(a.shape[1:], b.shape[1:])] if a.ndim else []
             specs.append(tf.TensorSpec(shape, tf.as_dtype(a.dtype)))
-        signature = _tree.unflatten(treedef, specs)
-        return tuple(signature) if isinstance(signature, list) else signature
+        return _lists_to_tuples(_tree.unflatten(treedef, specs))
 
     def _hand_out(self, stream, key, sequential):
         batch = self._fetch(key, keep=stream.probe)
@@ -707,6 +706,15 @@ class ProcessLoader(keras.utils.PyDataset):
         st["last_batch_bytes"] = nbytes
         if st["first_batch_s"] is None:
             st["first_batch_s"] = time.perf_counter() - self._t_created
+
+
+def _lists_to_tuples(tree):
+    """tf.data takes tuples and dicts, not lists, at any depth of a structure."""
+    if isinstance(tree, (list, tuple)):
+        return tuple(_lists_to_tuples(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _lists_to_tuples(v) for k, v in tree.items()}
+    return tree
 
 
 def stream_batches(ref):

@@ -99,7 +99,7 @@ def loads(path):
 _PLAIN_KERAS = {}  # steps_per_epoch -> ids plain Keras consumed (the same for every case)
 
 
-@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "workers-2"])
+@pytest.mark.parametrize("workers", [0, 1, 2], ids=["inline", "workers-1", "workers-2"])
 @pytest.mark.parametrize("shuffle", [False, True], ids=["ordered", "shuffled"])
 @pytest.mark.parametrize("steps", [None, 4, 5, 12, 13], ids=lambda s: f"steps_per_epoch={s}")
 def test_fit_consumes_whole_passes_with_the_steps_keras_takes(steps, shuffle, workers, tmp_path, no_leaks):
@@ -203,6 +203,12 @@ def test_as_dataset_declares_cardinality_and_feeds_whole_passes(no_leaks):
         assert not [w for w in caught if "ran out of data" in w]
     with kpipe.ProcessLoader(ReplacingIds(n), workers=0) as loader:
         assert int(loader.as_dataset().cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    from _datasets import Structured  # image sizes vary between batches
+
+    with kpipe.ProcessLoader(Structured(), workers=0) as loader:
+        spec = loader.as_dataset().element_spec
+        assert spec[0]["image"].shape.as_list() == [None, None, None, 1]
+        assert spec[1].shape.as_list() == [None]
 
 
 @pytest.mark.parametrize("kw", [dict(workers=0), dict(workers=2)], ids=["inline", "workers-2"])
