@@ -10,8 +10,8 @@ Three backends share one small interface -- `submit(key, inputs=None) -> seq`,
 NOTE [ kpipe worker shutdown and slot lifecycle ]
 ------------------------------------------------
 Data flow for one task (`seq` increases by one per task; it goes to the live worker with
-the fewest tasks pending -- which worker loads a batch changes nothing in it: the owner
-passes each batch's seed with the task):
+the fewest tasks pending, ties round-robin -- which worker loads a batch changes nothing
+in it: the owner passes each batch's seed with the task):
 
     main: acquire slot S (a memfd; a free one W already maps if any) --task(seq, key, S)--> W
                          [S's fd follows via SCM_RIGHTS unless W holds it already]
@@ -394,6 +394,7 @@ class ProcessBackend:
         self._check_open()
         seq = next(self._seq)
         proc = min(self._active, key=_load)
+        proc.last_task = seq
         slot, _ = self._slots.acquire(proc.known_slots)
         in_info = in_slot = None
         try:
@@ -707,8 +708,9 @@ class ProcessBackend:
 
 
 def _load(proc):
-    """Least-loaded first (ties: lowest id), so tasks follow the live worker list."""
-    return len(proc.pending), proc.id
+    """Least-loaded first, so tasks follow the live worker list; ties go to the worker
+    given a task longest ago (round-robin when batches take equal times)."""
+    return len(proc.pending), proc.last_task, proc.id
 
 
 class ThreadBackend:

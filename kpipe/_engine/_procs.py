@@ -68,6 +68,7 @@ class Proc:
         self.last_key = None  # the last batch it delivered (or failed)
         self.retiring = False  # gets no new tasks; is stopped once it has none (workers="auto")
         self.stopped = False  # was sent `stop` while the pool goes on
+        self.last_task = -1  # seq of the last task it was given (ties go round-robin)
 
     def exitcode(self, wait_s=0.0):
         h = self.handle
