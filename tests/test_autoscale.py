@@ -123,13 +123,18 @@ def test_retires_gradually_when_the_step_slows_down_and_only_after_patience():
     assert script.workers == math.ceil(20 / 0.6 * 0.05 * _autoscale.HEADROOM)
 
 
-def test_a_wait_resets_the_patience():
+def test_patience_counts_surplus_windows_and_restarts_when_all_workers_are_needed():
     scaler, script = AutoScaler(2, 16), Script(8)
     scaler.observe(script.sample())
-    quiet = dict(batch_s=0.05, cpu_s=0.0005, wait_share=0.0, consumed=20)
+    quiet = dict(batch_s=0.05, cpu_s=0.0005, wait_share=0.0, consumed=20)  # need 2 of 8
     assert scaler.observe(script.step(**quiet)) is None
-    assert scaler.observe(script.step(wait_share=0.03, consumed=20)) is None  # some waiting, no growth
-    assert scaler.observe(script.step(**quiet)) is None  # patience starts again
+    # a refill (the consumer waited, yet 8 workers are plenty): neither counts nor resets
+    assert scaler.observe(script.step(batch_s=0.05, cpu_s=0.0005, wait_share=0.2, consumed=20)) is None
+    busy = dict(batch_s=0.05, cpu_s=0.0005, wait_share=0.02, consumed=150)  # ~8 needed
+    assert scaler.observe(script.step(**busy)) is None  # patience starts again
+    assert scaler.observe(script.step(**quiet)) is None
+    d = scaler.observe(script.step(**quiet))
+    assert (d.workers_from, d.workers_to) == (8, 6)
 
 
 def test_more_workers_than_the_cpus_allow_are_cut_at_once():

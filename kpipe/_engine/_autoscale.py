@@ -28,9 +28,10 @@ differences over the window:
                                              one (c << b0) more, up to `max_workers`
 
 Add (up to `need`, at most x4 per step) only while the consumer waits (w >= `WAIT_ADD`);
-retire (at most a quarter per step) only when it has not waited for `PATIENCE` windows
-in a row and fewer workers would still make R (the training step slowed, or the data got
-cheaper). A change of the worker count starts a new window.
+retire (at most a quarter per step, not below `need`) when fewer workers would still make
+R (the training step slowed, or the data got cheaper) and the consumer barely waited
+(w < `WAIT_ADD`) in `PATIENCE` windows since the last window that asked for as many
+workers as run or more. A change of the worker count starts a new window.
 The data order and each batch's randomness do not depend on the worker count (plans and
 per-batch seeds are keyed on (seed, pass, position)), so changing it changes no batch.
 """
@@ -39,8 +40,7 @@ import dataclasses
 import math
 import os
 
-WAIT_ADD = 0.05  # consumer wait share above which workers are added
-WAIT_RETIRE = 0.01  # ... below which (for PATIENCE windows) surplus workers are retired
+WAIT_ADD = 0.05  # consumer wait share from which workers are added (below: may retire)
 PATIENCE = 2
 HEADROOM = 1.1  # batch times vary: a little more than the mean rate needs
 GROWTH = 4  # at most x4 workers per decision
@@ -159,14 +159,17 @@ class AutoScaler:
         target = n
         if n > cap:
             target, why = cap, "more workers than the CPUs can run"
-        elif wait_share >= WAIT_ADD and need > n:
+        elif need > n:
             self._quiet = 0
-            target, why = min(need, n * GROWTH), "adding workers"
-        elif wait_share <= WAIT_RETIRE:
+            if wait_share >= WAIT_ADD:
+                target, why = min(need, n * GROWTH), "adding workers"
+        elif need < n and wait_share < WAIT_ADD:
+            # (a window in which the consumer waited although enough workers run, e.g.
+            # refilling after a pass of a dataset with epoch hooks, neither counts nor resets)
             self._quiet += 1
-            if self._quiet >= PATIENCE and need < n:
+            if self._quiet >= PATIENCE:
                 target, why = max(need, n - max(1, n // 4)), "retiring idle workers"
-        else:
+        elif need == n:
             self._quiet = 0
         if target == n:
             return None
