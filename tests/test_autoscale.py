@@ -52,7 +52,7 @@ def run(scaler, script, windows, **timings):
 
 
 def test_first_reading_and_short_windows_decide_nothing():
-    scaler, script = AutoScaler(2, 16), Script(2)
+    scaler, script = AutoScaler(2, 16, interval_s=0.5), Script(2)
     assert scaler.observe(script.sample()) is None
     assert scaler.observe(script.step(window_s=0.2)) is None  # shorter than interval_s
     assert scaler.observe(script.step(window_s=0.2, consumed=1)) is None  # window goes on: 0.4 s
@@ -63,10 +63,13 @@ def test_first_reading_and_short_windows_decide_nothing():
     assert scaler2.observe(script2.step(window_s=5.0, consumed=3)) is None  # too few batches
 
 
-def test_io_bound_grows_past_the_cpus_up_to_the_cap_at_most_x4_per_step():
+def test_io_bound_grows_past_the_cpus_up_to_the_cap_at_most_x8_per_step():
     scaler, script = AutoScaler(2, 16), Script(2)
     decisions = run(scaler, script, 10, batch_s=0.05, cpu_s=0.0005)
-    assert [(d.workers_from, d.workers_to) for d in decisions] == [(2, 8), (8, 16)]
+    assert [(d.workers_from, d.workers_to) for d in decisions] == [(2, 16)]
+    scaler, script = AutoScaler(8, 64), Script(2)
+    decisions = run(scaler, script, 10, batch_s=0.05, cpu_s=0.0005, consumed=200)
+    assert [(d.workers_from, d.workers_to) for d in decisions] == [(2, 16), (16, 64)]
     assert "I/O-bound" in decisions[0].reason and "waited 90%" in decisions[0].reason
 
 

@@ -27,7 +27,7 @@ differences over the window:
                                              gets at most `limit` workers, an I/O-bound
                                              one (c << b0) more, up to `max_workers`
 
-Add (up to `need`, at most x4 per step) only while the consumer waits (w >= `WAIT_ADD`);
+Add (up to `need`, at most x8 per step) only while the consumer waits (w >= `WAIT_ADD`);
 retire (at most a quarter per step, not below `need`) when fewer workers would still make
 R (the training step slowed, or the data got cheaper) and the consumer barely waited
 (w < `WAIT_ADD`) in `PATIENCE` windows since the last window that asked for as many
@@ -43,7 +43,7 @@ import os
 WAIT_ADD = 0.05  # consumer wait share from which workers are added (below: may retire)
 PATIENCE = 2
 HEADROOM = 1.1  # batch times vary: a little more than the mean rate needs
-GROWTH = 4  # at most x4 workers per decision
+GROWTH = 8  # at most x8 workers per decision
 WORKERS_PER_CPU = 8  # the hard cap for I/O-bound work, per CPU of the limit ...
 MAX_WORKERS = 64  # ... and overall
 
@@ -111,11 +111,12 @@ class AutoScaler:
     Args:
         cpu_limit: CPUs this process may use (`cpu_limit()`).
         max_workers: Never more workers than this.
-        interval_s: Shortest window between decisions, in seconds of `Sample.t`.
-        min_batches: Fewest batches consumed (and loaded) in a window.
+        interval_s: Shortest window between decisions, in seconds of `Sample.t`
+            (short: in a short run, the time at too few workers counts). Defaults to 0.25.
+        min_batches: Fewest batches consumed (and loaded) in a window. Defaults to 4.
     """
 
-    def __init__(self, cpu_limit, max_workers, *, interval_s=0.5, min_batches=4):
+    def __init__(self, cpu_limit, max_workers, *, interval_s=0.25, min_batches=4):
         if not cpu_limit > 0:
             raise ValueError(f"`cpu_limit` must be > 0. Received: cpu_limit={cpu_limit!r}.")
         if max_workers < 1:
