@@ -1,6 +1,7 @@
 """`kpipe.ProcessLoader`: any PyDataset / Sequence, loaded by worker processes."""
 
 import collections
+import logging
 import math
 import operator
 import os
@@ -12,7 +13,7 @@ import keras
 import numpy as np
 
 from kpipe import _keras_hook
-from kpipe._engine import _tree
+from kpipe._engine import _autoscale, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._cursor import STATE_FORMAT, PassCursor
 from kpipe._engine._planner import EpochPlanner
@@ -22,6 +23,9 @@ from kpipe.errors import LoaderClosedError, LoaderError
 
 _DEFAULT_TIMEOUT_S = 120.0
 _UNSET = object()
+_AUTOSCALE_READ_S = 0.1  # workers="auto": counters are read at most this often
+_AUTO_DECISIONS_KEPT = 100
+logger = logging.getLogger("kpipe")
 
 
 class ProcessLoader(keras.utils.PyDataset):
@@ -62,12 +66,23 @@ class ProcessLoader(keras.utils.PyDataset):
             cloudpickle (classes from `__main__` or a notebook work); its NumPy arrays
             of 1 MiB or more are shared, not copied, and read-only in workers.
         workers: Worker processes (or threads with `use_threads=True`). 0 loads
-            batches in the calling thread. Defaults to 2.
+            batches in the calling thread. `"auto"` starts 2 worker processes (1 with
+            a single CPU) and, from the measured time per batch in the workers (wall
+            and CPU) and the consumer's waits, adds workers while the consumer waits
+            and CPUs are free -- more than the CPUs (up to 8 per CPU, 64 at most) when
+            batches wait on I/O rather than compute, never more than the CPUs for
+            CPU-bound batches -- and retires them when the consumer (the training
+            step) no longer waits. The CPUs are those this process may use (affinity
+            and cgroup quota). Batches and their randomness do not depend on the
+            worker count. Decisions are in `stats()["auto_decisions"]` and logged at
+            INFO on the `"kpipe"` logger. Defaults to 2.
         max_queue_size: Most batches loaded ahead of the consumer; bounds memory to
             about `max_queue_size` batches. The loader starts with two per worker
             (enough to keep every worker busy when batches take similar times) and
             goes deeper, up to this bound, only when a worker sat idle while the
-            consumer waited for a slower batch. Defaults to `max(4, 2 * workers)`.
+            consumer waited for a slower batch. Defaults to `max(4, 2 * workers)`
+            (with `workers="auto"`, twice the most workers it may run; it also caps
+            that number).
         max_queue_bytes: Also bound the bytes loaded ahead: fewer batches are queued
             when the last batch times the queue length would exceed it (at least one
             batch per worker stays in flight). Defaults to None (batches only).
@@ -144,7 +159,10 @@ class ProcessLoader(keras.utils.PyDataset):
         num_shards=None,
         shard_index=None,
     ):
-        workers = _check_int("workers", workers, 0, "Use 0 to load batches in the calling thread.")
+        self._autoscaler = None
+        if isinstance(workers, str) and workers == "auto":
+            workers, max_queue_size = self._init_autoscale(max_queue_size, start_method, use_threads)
+        workers = _check_int("workers", workers, 0, "Use 0 to load batches in the calling thread, or workers='auto'.")
         if max_queue_size is None:
             max_queue_size = max(4, 2 * workers)
         max_queue_size = _check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")
@@ -197,6 +215,8 @@ class ProcessLoader(keras.utils.PyDataset):
             "batches": 0, "samples": 0, "bytes": 0, "last_batch_bytes": 0, "wait_s": 0.0,
             "first_batch_s": None, "restarts": 0, "loads": 0, "discards": 0, "passes": 0,
         }
+        self._auto_decisions = collections.deque(maxlen=_AUTO_DECISIONS_KEPT)
+        self._autoscale_next = 0.0
         self._t_created = time.perf_counter()
         self._start_backend()
         self._fill()
@@ -304,13 +324,20 @@ class ProcessLoader(keras.utils.PyDataset):
         `loads` (batches loaded by workers), `discards` (loaded or requested, then
         dropped unused), `passes` (passes completed), `wait_s` (time the consumer
         blocked waiting for workers), `first_batch_s` (construction to first batch),
-        `restarts`, `workers`, `pids`, and `queue_depth` (batches the loader now keeps
-        in flight, at most `max_queue_size`)."""
+        `restarts`, `workers` (now), `pids`, `queue_depth` (batches the loader now keeps
+        in flight, at most `max_queue_size`), and with `workers="auto"`: `cpu_limit`,
+        `max_workers` and `auto_decisions` (the last 100 changes of the worker count,
+        oldest first: `t` seconds since construction, `workers_from`, `workers_to`,
+        `reason` and the figures it rests on)."""
         with self._lock:
             out = dict(self._stats)
             out["queue_depth"] = self._limit()
             out["workers"] = self.num_workers
             out["pids"] = list(self._backend.pids) if self._backend is not None else []
+            if self._autoscaler is not None:
+                out["cpu_limit"] = self._autoscaler.cpu_limit
+                out["max_workers"] = self._autoscaler.max_workers
+                out["auto_decisions"] = list(self._auto_decisions)
             return out
 
     def as_dataset(self, *, prefetch=2):
@@ -371,8 +398,9 @@ class ProcessLoader(keras.utils.PyDataset):
 
     def __repr__(self):
         mode = "inline" if self.num_workers == 0 else ("threads" if self.use_threads else self.start_method)
+        auto = "auto: " if self._autoscaler is not None else ""
         return (
-            f"ProcessLoader({self._name}, workers={self.num_workers} ({mode}), "
+            f"ProcessLoader({self._name}, workers={auto}{self.num_workers} ({mode}), "
             f"max_queue_size={self.max_queue_size}, shuffle={self.shuffle}, batches={self.num_batches})"
         )
 
@@ -524,6 +552,8 @@ class ProcessLoader(keras.utils.PyDataset):
         else:
             del self._queue[key]
         self._fill(after=self._cursor.successor(key, cross_passes=not self._stateful))
+        if self._autoscaler is not None:
+            self._maybe_autoscale()
         return batch
 
     def _seek(self, key, probe):
@@ -653,15 +683,77 @@ class ProcessLoader(keras.utils.PyDataset):
         elif self.use_threads:
             self._backend = ThreadBackend(self.dataset, num_workers=self.num_workers, timeout=self._wait_s(), seed=self.seed, **common)
         else:
+            auto = self._autoscaler
             self._backend = ProcessBackend(
                 self.dataset,
                 num_workers=self.num_workers,
                 start_method=self.start_method,
                 timeout=self._wait_s(),
                 seed=self.seed,
-                keep_idle=self.max_queue_size + self.num_workers,
+                keep_idle=self.max_queue_size + (auto.max_workers if auto else self.num_workers),
+                max_workers=auto.max_workers if auto else None,
                 **common,
             )
+            if auto is not None:
+                auto.reset()
+
+    # ------------------------------------------------------- workers="auto"
+    def _init_autoscale(self, max_queue_size, start_method, use_threads):
+        """Checks `workers="auto"` against the other arguments; returns the workers to
+        start with and the default `max_queue_size`."""
+        if use_threads:
+            raise ValueError(
+                "`workers='auto'` runs worker processes; it cannot size a thread pool. Received: "
+                "workers='auto', use_threads=True. Pass a number of threads, e.g. workers=8, use_threads=True."
+            )
+        if start_method == "fork":
+            raise ValueError(
+                "`workers='auto'` starts workers during training, once TensorFlow is loaded, where "
+                "forking deadlocks (keras-team/keras#11461). Received: workers='auto', start_method='fork'. "
+                "Use start_method='forkserver' (the default) or 'spawn'."
+            )
+        limit = _autoscale.cpu_limit()
+        max_workers = _autoscale.max_workers_for(limit)
+        if max_queue_size is not None:  # workers beyond the batches in flight would idle
+            max_queue_size = _check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")
+            max_workers = min(max_workers, max_queue_size)
+        self._autoscaler = _autoscale.AutoScaler(limit, max_workers)
+        return min(_autoscale.start_workers_for(limit), max_workers), max_queue_size or max(4, 2 * max_workers)
+
+    def _maybe_autoscale(self):
+        """Feeds the controller (`kpipe/_engine/_autoscale.py`) the counters, at most every
+        `_AUTOSCALE_READ_S`, and starts or retires workers as it decides."""
+        now = time.perf_counter()
+        backend = self._backend
+        if now < self._autoscale_next or not isinstance(backend, ProcessBackend) or backend.closed:
+            return
+        self._autoscale_next = now + _AUTOSCALE_READ_S
+        done, busy, cpu, runq = backend.timings
+        decision = self._autoscaler.observe(_autoscale.Sample(
+            t=now, workers=backend.num_workers, consumed=self._stats["batches"], wait_s=self._stats["wait_s"],
+            main_cpu_s=time.process_time(), done=done, busy_s=busy, cpu_s=cpu, runq_s=runq,
+        ))
+        if decision is None:
+            return
+        record = dict(decision.as_dict(), t=round(now - self._t_created, 3))
+        try:
+            if decision.workers_to > decision.workers_from:
+                backend.add_worker(decision.workers_to - decision.workers_from)
+            else:
+                for _ in range(decision.workers_from - decision.workers_to):
+                    backend.retire_worker()
+        except Exception as exc:  # the batch in hand is fine; a broken pool restarts on next use
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            logger.warning("ProcessLoader(%s, workers='auto'): could not change the worker count %d -> %d: %s",
+                           self._name, decision.workers_from, decision.workers_to, record["error"])
+        self._auto_decisions.append(record)
+        if backend.closed:
+            return
+        self.num_workers = backend.num_workers
+        self._window = min(self.max_queue_size, 2 * self.num_workers)
+        logger.info("ProcessLoader(%s, workers='auto'): %d -> %d workers: %s",
+                    self._name, decision.workers_from, self.num_workers, decision.reason)
+        self._fill()
 
     def _wait_s(self):
         return self.timeout  # None: the engine waits without a limit

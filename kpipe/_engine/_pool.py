@@ -9,8 +9,9 @@ Three backends share one small interface -- `submit(key, inputs=None) -> seq`,
 
 NOTE [ kpipe worker shutdown and slot lifecycle ]
 ------------------------------------------------
-Data flow for one task (`seq` increases by one per task; worker = seq % num_workers, so
-the assignment -- and any per-worker randomness -- is reproducible):
+Data flow for one task (`seq` increases by one per task; it goes to the live worker with
+the fewest tasks pending, ties round-robin -- which worker loads a batch changes nothing
+in it: the owner passes each batch's seed with the task):
 
     main: acquire slot S (a memfd; a free one W already maps if any) --task(seq, key, S)--> W
                          [S's fd follows via SCM_RIGHTS unless W holds it already]
@@ -44,6 +45,15 @@ Descriptors, bounded by what is alive:
   arrays  `reset_target` pickles the new target; arrays it no longer references (replaced
           in `on_epoch_end`, or resized in place) are freed here (`SharedArrays.retain`)
           and named in the `state` message, so each worker unmaps them too.
+
+Changing the worker count (`workers="auto"`): `add_worker` forks new workers from the
+fork server (or spawns them), gives them the target's current state (a `state` message
+when `reset_target` ran since the server unpickled it) and puts them before the server
+in `_procs`; they take tasks at once. `retire_worker` marks the worker with the highest
+id `retiring`: it gets no new task, and once its pending tasks are answered it is sent
+`stop` (`stopped`); its EOF is then no death, and it is reaped without waiting
+(`_reap_retired`, or by `shutdown` like every other worker). Ids stay unique among the
+processes alive; a new worker takes the lowest free one.
 
 Failures: every wait is `multiprocessing.connection.wait` on the worker sockets and
 process sentinels with a deadline, and so is every write: messages go out non-blocking,
@@ -144,7 +154,7 @@ class ProcessBackend:
     """Runs `target[key]` (mode "dataset") or `target(inputs)` (mode "function") in worker
     processes. Used from one thread at a time."""
 
-    def __init__(self, target, *, num_workers, mode, start_method, timeout, seed, name, keep_idle):
+    def __init__(self, target, *, num_workers, mode, start_method, timeout, seed, name, keep_idle, max_workers=None):
         if start_method not in _START_METHODS:
             raise ValueError(
                 f"Invalid value for argument `start_method`. Received: start_method={start_method!r}. "
@@ -172,7 +182,13 @@ class ProcessBackend:
         self._exit_codes = {}
         self._zygote = None
         self.closed = False
-        spawn = _procs.spawn_exec if start_method == "spawn" else _procs.spawn_fork
+        self._seed = seed
+        self._start_method = start_method
+        self._info_workers = max(num_workers, max_workers or 0)  # WorkerInfo.num_workers
+        self._growable = self._info_workers > num_workers  # keeps the pickled target for new workers
+        self._payload = self._keys = self._zygote_keys = None
+        self._reset_since_fork = False  # the fork server holds an older target
+        self.timings = [0, 0.0, 0.0, 0.0]  # batches done; their wall, CPU and run-queue seconds
         try:
             if start_method == "forkserver":
                 # Start the server first: its interpreter and imports (~0.2 s) overlap
@@ -182,24 +198,12 @@ class ProcessBackend:
                 self._procs.append(self._zygote)  # last in the list: stopped after the workers
             payload, keys = _pickling.dumps(target, self._shared, what=f"`{name}`")
             keys = sorted(keys)
+            self._payload, self._keys = payload, keys
             if start_method == "forkserver":
                 self._start_forked(num_workers, seed, mode, payload, keys)
-                return
-            for wid in range(num_workers):  # all start at once; each reads its init when up
-                self._procs.append(_procs.start_process(spawn, wid, os.getpid()))
-            deadline = _wire.deadline_after(self.timeout)
-            for proc in self._procs:
-                cfg = {
-                    "worker_id": proc.id,
-                    "num_workers": num_workers,
-                    "seed": _wi.derive_seed(seed, proc.id),
-                    "mode": mode,
-                    "sys_path": [p for p in sys.path if p],
-                    "payload": payload,
-                    "array_keys": keys,
-                }
-                self._send(proc, ("init", cfg), [self._shared.fd(k) for k in keys], deadline)
-                proc.array_keys = set(keys)
+            else:
+                self._spawn_workers(list(range(num_workers)))
+            self._forget_payload()
         except BaseException as exc:
             self.close()
             if is_fd_exhaustion(exc):
@@ -212,14 +216,20 @@ class ProcessBackend:
         cfg = {"mode": mode, "sys_path": [p for p in sys.path if p], "payload": payload, "array_keys": keys}
         deadline = _wire.deadline_after(self.timeout)
         self._send(zygote, ("init", cfg), [self._shared.fd(k) for k in keys], deadline)
-        for wid in range(num_workers):
-            self._send(zygote, ("fork", wid, num_workers, _wi.derive_seed(seed, wid)), (), deadline)
+        self._zygote_keys = keys
+        self._fork_workers(list(range(num_workers)), deadline)
+
+    def _fork_workers(self, ids, deadline):
+        """Has the fork server fork workers `ids`; they go before it in `_procs`."""
+        from multiprocessing.connection import Connection
+
+        zygote = self._zygote
+        for wid in ids:
+            self._send(zygote, ("fork", wid, self._info_workers, _wi.derive_seed(self._seed, wid)), (), deadline)
         workers = []
-        while len(workers) < num_workers:
+        while len(workers) < len(ids):
             msg = self._recv_zygote(deadline)
             if msg[0] == "forked":
-                from multiprocessing.connection import Connection
-
                 _, wid, pid = msg
                 fd = _wire.recv_fds(zygote.conn, 1)[0]
                 sentinel = None
@@ -229,10 +239,112 @@ class ProcessBackend:
                     except OSError:
                         sentinel = None
                 proc = _procs.Proc(wid, Connection(fd), pid, _procs.ZygoteChild(pid, zygote.conn, self._exit_codes), sentinel)
-                proc.array_keys = set(keys)
+                proc.array_keys = set(self._zygote_keys)
                 workers.append(proc)
         workers.sort(key=lambda p: p.id)
-        self._procs[:0] = workers
+        at = len(self._workers)
+        self._procs[at:at] = workers  # before the server
+        if self._reset_since_fork:  # they hold the server's (older) target: send the current one
+            for proc in workers:
+                self._send_state(proc, deadline)
+
+    def _spawn_workers(self, ids):
+        """Starts workers `ids` as fresh interpreters and sends each the current target."""
+        spawn = _procs.spawn_exec if self._start_method == "spawn" else _procs.spawn_fork
+        procs = []
+        for wid in ids:  # all start at once; each reads its init when up
+            proc = _procs.start_process(spawn, wid, os.getpid())
+            procs.append(proc)
+            self._procs.insert(len(self._workers), proc)
+        deadline = _wire.deadline_after(self.timeout)
+        for proc in procs:
+            cfg = {
+                "worker_id": proc.id,
+                "num_workers": self._info_workers,
+                "seed": _wi.derive_seed(self._seed, proc.id),
+                "mode": self._mode,
+                "sys_path": [p for p in sys.path if p],
+                "payload": self._payload,
+                "array_keys": self._keys,
+            }
+            self._send(proc, ("init", cfg), [self._shared.fd(k) for k in self._keys], deadline)
+            proc.array_keys = set(self._keys)
+
+    def _forget_payload(self):
+        if not self._growable:  # no worker will be added: do not keep a pickled copy
+            self._payload = None
+
+    def _send_state(self, proc, deadline):
+        new = sorted(k for k in self._keys if k not in proc.array_keys)
+        drop = sorted(proc.array_keys - set(self._keys))
+        proc.pending.append("state")
+        self._send(proc, ("state", self._payload, new, drop), [self._shared.fd(k) for k in new], deadline)
+        proc.array_keys = set(self._keys)
+
+    # ------------------------------------------------- changing the worker count
+    def add_worker(self, count=1):
+        """Starts `count` more workers (forked by the fork server, or spawned); they
+        take tasks at once. Returns their ids.
+
+        Raises:
+            LoaderError: with `start_method="fork"` once TensorFlow is loaded.
+            WorkerDiedError, BatchTimeoutError: the fork server died or did not answer
+                within `timeout` (the pool is then closed, as for any fatal failure).
+        """
+        self._check_open()
+        self._reap_retired()
+        if not self._growable or len(self._active) + count > self._info_workers:
+            raise ValueError(
+                f"Cannot run more than max_workers={self._info_workers} workers for `{self.name}`. "
+                f"Received: count={count} with {len(self._active)} running."
+            )
+        if self._start_method == "fork" and ("tensorflow" in sys.modules or "jax" in sys.modules):
+            raise LoaderError(
+                f"Cannot add workers to `{self.name}`: start_method='fork' is unsafe once TensorFlow is "
+                "loaded (keras-team/keras#11461). Use start_method='forkserver' (the default) or 'spawn'."
+            )
+        used = {p.id for p in self._workers}
+        ids = [i for i in range(len(used) + count) if i not in used][:count]
+        try:
+            if self._zygote is not None:
+                self._fork_workers(ids, _wire.deadline_after(self.timeout))
+            else:
+                self._spawn_workers(ids)
+        except BaseException as exc:
+            if is_fd_exhaustion(exc):
+                self.close(force=True)
+                raise fd_limit_error(exc, f"start more workers for `{self.name}`") from exc
+            raise
+        return ids
+
+    def retire_worker(self):
+        """Retires the live worker with the highest id: it takes no new task and stops once
+        its pending tasks are answered (their batches are delivered as usual). Returns its
+        id, or None when only one live worker is left."""
+        self._check_open()
+        self._reap_retired()
+        live = [p for p in self._active if p.dead_error is None]
+        if len(live) <= 1:
+            return None
+        proc = max(live, key=lambda p: p.id)
+        proc.retiring = True
+        self._stop_if_idle(proc)
+        return proc.id
+
+    def _stop_if_idle(self, proc):
+        if proc.retiring and not proc.stopped and not proc.pending:
+            proc.stopped = True
+            try:  # never waits: an idle worker reads its socket
+                _wire.send(proc.conn, ("stop",), (), time.monotonic())
+            except BaseException:
+                proc.signal(15)  # SIGTERM; it is reaped like any stopped worker
+
+    def _reap_retired(self):
+        """Forgets stopped workers whose exit is known (never waits)."""
+        for proc in [p for p in self._procs if p.stopped and not p.alive]:
+            if _procs.has_exited(proc):
+                proc.release()
+                self._procs.remove(proc)
 
     def _recv_zygote(self, deadline):
         zygote = self._zygote
@@ -259,19 +371,30 @@ class ProcessBackend:
 
     @property
     def _workers(self):
+        """Every worker process not yet reaped (retiring ones included)."""
         return [p for p in self._procs if not getattr(p, "is_zygote", False)]
 
     @property
+    def _active(self):
+        """The workers that take tasks (not retiring)."""
+        return [p for p in self._procs if not p.retiring and not getattr(p, "is_zygote", False)]
+
+    @property
+    def num_workers(self):
+        """Workers that take tasks now."""
+        return len(self._active)
+
+    @property
     def pids(self):
-        return [p.pid for p in self._workers]
+        return [p.pid for p in self._active]
 
     def submit(self, key, inputs=None, seed=None):
         """Queues `target[key]` (or `target(inputs)`); with `seed`, the worker reseeds
         `random` and `numpy.random` with it first. Returns the task's `seq`."""
         self._check_open()
         seq = next(self._seq)
-        workers = self._workers
-        proc = workers[seq % len(workers)]
+        proc = min(self._active, key=_load)
+        proc.last_task = seq
         slot, _ = self._slots.acquire(proc.known_slots)
         in_info = in_slot = None
         try:
@@ -391,7 +514,7 @@ class ProcessBackend:
                 if remaining is not None and remaining <= 0:
                     self._fail(self._timed_out(seq))
                 self._pump(remaining)
-                if on_starved is not None and seq not in self._results and any(not p.pending and p.dead_error is None for p in self._workers):
+                if on_starved is not None and seq not in self._results and any(not p.pending and p.dead_error is None for p in self._active):
                     on_starved, starved = None, on_starved
                     starved()
         except Exception:
@@ -413,7 +536,7 @@ class ProcessBackend:
             exc = rebuild_exception(result[1], where)
             exc.kpipe_batch_index = task.key
             raise exc
-        _, treedef, layout, _busy = result
+        treedef, layout = result[1], result[2]
         seg = self._slots.segments[task.slot]
         leaves = seg.views(layout, lease=self._slots.lease(task.slot), writable=True)
         return _tree.unflatten(treedef, leaves), treedef, [(d, s) for _, _, d, s in layout]
@@ -446,31 +569,29 @@ class ProcessBackend:
         """
         self._check_open()
         deadline = _wire.deadline_after(self.timeout)
-        for p in self._workers:
+        for p in self._active:
             if p.dead_error is not None:
                 self._fail(p.dead_error)
         payload, keys = _pickling.dumps(target, self._shared, what=f"`{self.name}`")
-        for p in self._workers:
-            new = sorted(k for k in keys if k not in p.array_keys)
-            drop = sorted(p.array_keys - keys)
-            p.pending.append("state")
-            self._send(p, ("state", payload, new, drop), [self._shared.fd(k) for k in new], deadline)
-            p.array_keys = set(keys)
+        self._payload, self._keys, self._reset_since_fork = payload, sorted(keys), True
+        for p in self._active:
+            self._send_state(p, deadline)
+        self._forget_payload()
         self._shared.retain(keys)
-        while any(p.pending for p in self._workers):
-            dead = next((p for p in self._workers if p.dead_error is not None), None)
+        while any(p.pending for p in self._active):
+            dead = next((p for p in self._active if p.dead_error is not None), None)
             if dead is not None:
                 self._fail(dead.dead_error)
             remaining = _wire.remaining(deadline)
             if remaining is not None and remaining <= 0:
-                slow = [p for p in self._workers if "state" in p.pending]
+                slow = [p for p in self._active if "state" in p.pending]
                 self._fail(self._send_timed_out(slow[0], "state", None) if slow else BatchTimeoutError(
                     f"Workers of `{self.name}` did not finish their batches within timeout={self.timeout} s."
                 ))
             self._pump(remaining)
 
     def _pump(self, timeout):
-        live = [p for p in self._procs if p.dead_error is None]
+        live = [p for p in self._procs if p.dead_error is None and p.alive]
         conns = {p.conn: p for p in live}
         sentinels = {p.sentinel: p for p in live if p.sentinel is not None}
         ready = mp_connection.wait(list(conns) + list(sentinels), timeout)
@@ -494,6 +615,9 @@ class ProcessBackend:
                     pass
                 dead.append(proc)
         for proc in dead:
+            if proc.stopped:  # a retired worker ended, as asked
+                proc.alive = False
+                continue
             # Batches this worker already delivered stay valid; the error is raised when
             # the consumer reaches a batch that this worker can no longer deliver.
             proc.dead_error = self._died(proc)
@@ -515,11 +639,19 @@ class ProcessBackend:
                     proc.pending.remove(seq)
                 except ValueError:
                     pass
+            if kind == "done":
+                t = self.timings
+                t[0] += 1
+                t[1] += msg[4]
+                t[2] += msg[5]
+                t[3] += msg[6]
             if seq in self._discarded:
                 self._discarded.discard(seq)
                 self._release_task(seq)
             else:
                 self._results[seq] = (kind,) + tuple(msg[2:])
+            if proc.retiring:
+                self._stop_if_idle(proc)
         elif kind == "state-ok":
             proc.pending.remove("state")
         elif kind == "init-error":
@@ -573,6 +705,12 @@ class ProcessBackend:
         if force:
             _procs.shutdown(self._procs, self._slots, self._shared, force=True)
         self._finalizer()
+
+
+def _load(proc):
+    """Least-loaded first, so tasks follow the live worker list; ties go to the worker
+    given a task longest ago (round-robin when batches take equal times)."""
+    return len(proc.pending), proc.last_task, proc.id
 
 
 class ThreadBackend:

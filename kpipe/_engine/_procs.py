@@ -66,6 +66,9 @@ class Proc:
         self.alive = True
         self.dead_error = None  # set when the worker is found dead
         self.last_key = None  # the last batch it delivered (or failed)
+        self.retiring = False  # gets no new tasks; is stopped once it has none (workers="auto")
+        self.stopped = False  # was sent `stop` while the pool goes on
+        self.last_task = -1  # seq of the last task it was given (ties go round-robin)
 
     def exitcode(self, wait_s=0.0):
         h = self.handle
@@ -245,6 +248,18 @@ def spawn_fork(wid, parent_pid):
     proc.start()
     theirs.close()
     return Proc(wid, ours, proc.pid, proc, proc.sentinel)
+
+
+def has_exited(proc):
+    """True once a stopped worker's exit is known (reaped); never waits."""
+    h = proc.handle
+    if isinstance(h, subprocess.Popen):
+        return h.poll() is not None
+    if isinstance(h, ZygoteChild):  # the fork server reaps it and reports the code
+        h._drain()
+        return h.pid in h._codes or bool(h._codes.get("eof"))
+    h.join(0)
+    return h.exitcode is not None
 
 
 def close_fd(fd):

@@ -11,7 +11,7 @@ Protocol (main -> worker, over one Unix socket, after `init`):
   ("state", payload, new_keys, drop_keys)                then the fds of the new arrays
   ("stop",)
 worker -> main:
-  ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s)
+  ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s, cpu_s, runq_s)
   ("error", seq, exc) | ("state-ok",)
 
 Descriptors: a worker maps each shared dataset array once and closes its descriptor at
@@ -22,6 +22,11 @@ slots whose descriptors to close (keeping their mappings), `drop` the slots to f
 (unmap). The main process caps the descriptors a worker holds (`_WORKER_SLOT_FDS` in
 `_pool.py`), so the batches a consumer holds cost workers none. `drop_keys` of a state
 message are the dataset arrays the new state no longer uses.
+
+Timings of a batch (for `workers="auto"`, `_autoscale.py`): `busy_s` is its wall time in
+the worker, `cpu_s` the worker's CPU time meanwhile (`time.process_time`: all its
+threads), `runq_s` the time its main thread waited for a CPU (Linux
+`/proc/self/schedstat`, 0 elsewhere): wall >> CPU + run queue means I/O-bound.
 
 Parent death: a worker (and kpipe's fork server) asks the kernel for SIGKILL when its
 parent dies (Linux `PR_SET_PDEATHSIG`), and a watchdog thread checks `os.getppid()`
@@ -99,6 +104,24 @@ def start_watchdog(parent_pid):
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="kpipe-parent-watchdog", daemon=True).start()
 
 
+class _RunQueueClock:
+    """Seconds the calling process's main thread has waited for a CPU (Linux schedstat);
+    always 0 where that file does not exist. ~3 us per reading."""
+
+    def __init__(self):
+        self._fd = None
+        self._pid = None
+
+    def __call__(self):
+        try:
+            if self._pid != os.getpid():  # opened lazily, and again in a forked child
+                self._pid, self._fd = os.getpid(), -1
+                self._fd = os.open("/proc/self/schedstat", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            return int(os.pread(self._fd, 128, 0).split()[1]) * 1e-9 if self._fd >= 0 else 0.0
+        except (OSError, ValueError, IndexError, AttributeError):
+            return 0.0
+
+
 class _Worker:
     def __init__(self, conn, parent_pid):
         self.conn = conn
@@ -107,6 +130,7 @@ class _Worker:
         self.arrays = {}
         self.target = None
         self.mode = None
+        self.runq = _RunQueueClock()
 
     def _adopt_arrays(self, keys):
         for key, fd in zip(keys, recv_fds(self.conn, len(keys))):
@@ -166,7 +190,9 @@ class _Worker:
         self.become(cfg["worker_id"], cfg["num_workers"], cfg["seed"])
 
     def run_task(self, seq, key, out_slot, inputs):
-        t0 = time.perf_counter()
+        """Loads one batch into `out_slot`; returns `(treedef, layout, timings)`,
+        timings = (wall, CPU, run-queue) seconds."""
+        t0, cpu0, q0 = time.perf_counter(), time.process_time(), self.runq()
         segment = self.slots[out_slot]
         alloc = _alloc.begin(segment)  # kpipe.empty() now allocates in this slot
         try:
@@ -182,7 +208,7 @@ class _Worker:
         layout = plan_layout(leaves, placed, start=alloc.used)
         copies = [(a, lay) for a, lay, at in zip(leaves, layout, placed) if at is None]
         segment.write([a for a, _ in copies], [lay for _, lay in copies])
-        return treedef, layout, time.perf_counter() - t0
+        return treedef, layout, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0)
 
     def serve(self):
         conn = self.conn
@@ -200,11 +226,11 @@ class _Worker:
                     random.seed(seed)
                     np.random.seed(seed)
                 try:
-                    treedef, layout, busy = self.run_task(seq, key, out_slot, inputs)
+                    treedef, layout, timings = self.run_task(seq, key, out_slot, inputs)
                 except Exception as exc:  # SystemExit/KeyboardInterrupt end the worker
                     conn.send(("error", seq, pack_exception(exc)))
                 else:
-                    conn.send(("done", seq, treedef, layout, busy))
+                    conn.send(("done", seq, treedef, layout) + timings)
             elif kind == "state":
                 _, payload, new_keys, drop_keys = msg
                 self._adopt_arrays(new_keys)

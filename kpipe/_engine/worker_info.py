@@ -11,7 +11,9 @@ class WorkerInfo:
 
     Attributes:
         id: The worker's index, `0 <= id < num_workers`.
-        num_workers: How many workers the loader runs.
+        num_workers: How many workers the loader runs (with `workers="auto"`: the
+            most it may run; ids stay below it except briefly while a retired worker
+            is still finishing).
         seed: This worker's seed, derived from the loader's `seed` and `id`; `random`
             and `numpy.random` are seeded with it when the worker starts. A
             `ProcessLoader` then reseeds both before each batch from `(seed, pass,

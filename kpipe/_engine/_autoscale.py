@@ -1,0 +1,273 @@
+"""`workers="auto"`: how many workers a loader runs, chosen from measured timings.
+
+Pure logic, no I/O except `cpu_limit()` (which reads the affinity mask and cgroup
+files): `AutoScaler.observe(sample)` takes cumulative counters read by the caller
+(`ProcessLoader`) and returns a `Decision` or None; the caller starts or retires the
+workers. Tested with a fake clock and scripted timings (tests/test_autoscale.py).
+
+NOTE [ How the worker count is chosen ]
+---------------------------------------
+Every window (at least `interval_s` and `min_batches` consumed), from the counters'
+differences over the window:
+
+    wait share   w  = consumer's time blocked on workers / window
+    step         s  = consumer's time per batch when not waiting (training step +
+                      hand-over): its demand is 1/s batches per second
+    batch time   b0 = worker wall time per batch, minus the time it sat in the CPU run
+                      queue (Linux schedstat): what a batch costs an uncontended worker
+    worker CPU   c  = worker CPU time per batch (c << b0: I/O-bound, e.g. waits on files)
+    main CPU     m  = main-process CPU time per batch (the training step's CPU use too)
+
+    rate R = min(1/s, limit / (c + m))       what the consumer takes, and what the CPUs
+                                             can make and consume together
+    need   = ceil(R * b0 * HEADROOM)         workers that produce R (each makes 1/b0)
+    cap    = min(floor(limit * b0 / c), max_workers, max_queue)
+                                             workers running flat out never use more
+                                             CPU than the limit: a CPU-bound dataset
+                                             gets at most `limit` workers, an I/O-bound
+                                             one (c << b0) more, up to `max_workers`
+
+Add (up to `need`, at most x8 per step) only while the consumer waits (w >= `WAIT_ADD`);
+retire (at most a quarter per step, not below `need`) when fewer workers would still make
+R (the training step slowed, or the data got cheaper) and the consumer barely waited
+(w < `WAIT_ADD`) in `PATIENCE` windows since the last window that asked for as many
+workers as run or more. A change of the worker count starts a new window.
+The data order and each batch's randomness do not depend on the worker count (plans and
+per-batch seeds are keyed on (seed, pass, position)), so changing it changes no batch.
+"""
+
+import dataclasses
+import math
+import os
+
+WAIT_ADD = 0.05  # consumer wait share from which workers are added (below: may retire)
+PATIENCE = 2
+HEADROOM = 1.1  # batch times vary: a little more than the mean rate needs
+GROWTH = 8  # at most x8 workers per decision
+WORKERS_PER_CPU = 8  # the hard cap for I/O-bound work, per CPU of the limit ...
+MAX_WORKERS = 64  # ... and overall
+
+
+def max_workers_for(limit):
+    """The most workers `workers="auto"` runs with `limit` CPUs: I/O-bound workers use
+    little CPU but each is a process with its own memory and batches in flight."""
+    return max(1, min(MAX_WORKERS, int(WORKERS_PER_CPU * max(1.0, limit))))
+
+
+def start_workers_for(limit):
+    """Workers to start with: small (2, or 1 with a single CPU)."""
+    return 1 if limit < 2 else 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """Cumulative counters read at one moment.
+
+    Attributes:
+        t: Clock reading, seconds.
+        workers: Workers running now.
+        consumed: Batches handed to the consumer so far.
+        wait_s: Seconds the consumer blocked waiting for workers so far.
+        main_cpu_s: CPU seconds of the main process (all its threads) so far.
+        done: Batches finished by workers so far.
+        busy_s: Worker wall seconds spent on those batches.
+        cpu_s: Worker CPU seconds spent on those batches.
+        runq_s: Seconds those workers waited for a CPU while loading (0 if unknown).
+    """
+
+    t: float
+    workers: int
+    consumed: int
+    wait_s: float
+    main_cpu_s: float
+    done: int
+    busy_s: float
+    cpu_s: float
+    runq_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """A change of the worker count, with the figures it rests on (all per window)."""
+
+    t: float
+    workers_from: int
+    workers_to: int
+    reason: str
+    wait_share: float
+    step_ms: float
+    batch_ms: float
+    worker_cpu_share: float
+    main_cpu_ms: float
+    rate_per_s: float
+
+    def as_dict(self):
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+class AutoScaler:
+    """Chooses the worker count from `Sample`s (see the NOTE above). Not thread-safe.
+
+    Args:
+        cpu_limit: CPUs this process may use (`cpu_limit()`).
+        max_workers: Never more workers than this.
+        interval_s: Shortest window between decisions, in seconds of `Sample.t`
+            (short: in a short run, the time at too few workers counts). Defaults to 0.25.
+        min_batches: Fewest batches consumed (and loaded) in a window. Defaults to 4.
+    """
+
+    def __init__(self, cpu_limit, max_workers, *, interval_s=0.25, min_batches=4):
+        if not cpu_limit > 0:
+            raise ValueError(f"`cpu_limit` must be > 0. Received: cpu_limit={cpu_limit!r}.")
+        if max_workers < 1:
+            raise ValueError(f"`max_workers` must be >= 1. Received: max_workers={max_workers!r}.")
+        self.cpu_limit = float(cpu_limit)
+        self.max_workers = int(max_workers)
+        self.interval_s = float(interval_s)
+        self.min_batches = int(min_batches)
+        self._last = None
+        self._quiet = 0  # windows in a row in which the consumer did not wait
+
+    def reset(self):
+        """Forgets the window in progress (e.g. the workers were restarted)."""
+        self._last = None
+        self._quiet = 0
+
+    def observe(self, s):
+        """Takes counters read now; returns a `Decision` when the count should change."""
+        last = self._last
+        if last is None or s.workers != last.workers or s.consumed < last.consumed or s.done < last.done:
+            self._last = s  # the first reading, or the worker count changed: a new window
+            return None
+        dt = s.t - last.t
+        consumed, done = s.consumed - last.consumed, s.done - last.done
+        if dt < self.interval_s or consumed < self.min_batches or done < min(self.min_batches, s.workers):
+            return None  # the window goes on
+        self._last = s
+        wait = min(max(s.wait_s - last.wait_s, 0.0), dt)
+        busy = max(s.busy_s - last.busy_s, 1e-9)
+        cpu = min(max(s.cpu_s - last.cpu_s, 0.0), busy)
+        runq = min(max(s.runq_s - last.runq_s, 0.0), busy - cpu)
+        wait_share = wait / dt
+        step = max((dt - wait) / consumed, 1e-6)
+        b0 = max((busy - runq) / done, 1e-6)
+        c = cpu / done
+        m = max(s.main_cpu_s - last.main_cpu_s, 0.0) / consumed
+        rate = min(1.0 / step, self.cpu_limit / max(c + m, 1e-9))
+        cap = self.max_workers if c <= 0 else max(1, min(self.max_workers, math.floor(self.cpu_limit * b0 / c + 1e-9)))
+        need = max(1, min(cap, math.ceil(rate * b0 * HEADROOM - 1e-9)))
+        n = s.workers
+        target = n
+        if n > cap:
+            target, why = cap, "more workers than the CPUs can run"
+        elif need > n:
+            self._quiet = 0
+            if wait_share >= WAIT_ADD:
+                target, why = min(need, n * GROWTH), "adding workers"
+        elif need < n and wait_share < WAIT_ADD:
+            # (a window in which the consumer waited although enough workers run, e.g.
+            # refilling after a pass of a dataset with epoch hooks, neither counts nor resets)
+            self._quiet += 1
+            if self._quiet >= PATIENCE:
+                target, why = max(need, n - max(1, n // 4)), "retiring idle workers"
+        elif need == n:
+            self._quiet = 0
+        if target == n:
+            return None
+        self._quiet = 0
+        kind = "I/O-bound" if c < 0.5 * b0 else "CPU-bound"
+        reason = (
+            f"{why}: the consumer waited {wait_share:.0%} of {dt:.2f} s; a batch takes a worker {b0 * 1e3:.1f} ms "
+            f"({c / b0:.0%} CPU, {kind}), the consumer {step * 1e3:.2f} ms: {need} workers make "
+            f"{rate:.0f} batches/s (at most {cap}: {self.cpu_limit:g} CPUs, max {self.max_workers})"
+        )
+        return Decision(
+            t=s.t, workers_from=n, workers_to=target, reason=reason, wait_share=wait_share, step_ms=step * 1e3,
+            batch_ms=b0 * 1e3, worker_cpu_share=c / b0, main_cpu_ms=m * 1e3, rate_per_s=rate,
+        )
+
+
+# ------------------------------------------------------------------ the CPU limit
+def cpu_limit(*, affinity=None, proc_cgroup="/proc/self/cgroup", cgroup_root="/sys/fs/cgroup"):
+    """CPUs this process may use: the affinity mask, lowered by a cgroup CPU quota
+    (v2 `cpu.max`, v1 `cpu.cfs_quota_us / cpu.cfs_period_us`) on its cgroup or an
+    ancestor. Not `os.cpu_count()`, which counts the host's CPUs in a container.
+
+    Args:
+        affinity: CPUs of the affinity mask. Defaults to None (`os.sched_getaffinity`,
+            or `os.cpu_count()` where there is none).
+        proc_cgroup: The process's cgroup file. Defaults to "/proc/self/cgroup".
+        cgroup_root: Where the cgroup filesystem is mounted. Defaults to "/sys/fs/cgroup".
+
+    Returns:
+        A float > 0 (a quota may allow a fraction of a CPU, e.g. 1.5).
+    """
+    if affinity is None:
+        try:
+            affinity = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            affinity = os.cpu_count() or 1
+    limit = float(max(1, affinity))
+    quota = cgroup_quota(proc_cgroup, cgroup_root)
+    if quota is not None:
+        limit = min(limit, quota)
+    return max(limit, 0.01)
+
+
+def cgroup_quota(proc_cgroup="/proc/self/cgroup", cgroup_root="/sys/fs/cgroup"):
+    """The smallest CPU quota (in CPUs) on this process's cgroup path, or None."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # cgroup v2
+            for d in _ancestors(cgroup_root, path):
+                quotas.append(_read_v2(os.path.join(d, "cpu.max")))
+        elif "cpu" in controllers.split(","):
+            for mount in {controllers, "cpu", "cpu,cpuacct"}:
+                for d in _ancestors(os.path.join(cgroup_root, mount), path):
+                    quotas.append(_read_v1(d))
+    quotas = [q for q in quotas if q is not None]
+    return min(quotas) if quotas else None
+
+
+def _ancestors(root, path):
+    """`root/path` and each of its parents up to `root` (a container often sees its
+    cgroup at "/" while the path names the host's)."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    out = [os.path.join(root, *parts[:i]) for i in range(len(parts), -1, -1)]
+    return [d for d in out if os.path.isdir(d)]
+
+
+def _read_v2(path):
+    try:
+        with open(path) as f:
+            quota, period = (f.read().split() + ["100000"])[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _read_v1(directory):
+    try:
+        with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read().strip())
+        with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+            period = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if quota <= 0 or period <= 0:
+        return None
+    return quota / period

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""`workers="auto"` against every fixed worker count, side by side in one run (issue #13).
+
+Runs `kpipe.ProcessLoader` on the loader benchmark's workloads (scripts/bench_loaders.py)
+with each fixed worker count of `--counts` and with `workers="auto"`, through Keras's
+PyDataset adapter as `fit()` reads it, consuming every batch (one read per 4 KiB page).
+Samples/s after the first batch, best of `--repeats` runs taken in rounds; "x best" is
+the ratio to the best fixed count. For "auto", the workers it ended with and its changes.
+
+  a   64x64x3 uint8 images with NumPy augmentation (CPU-bound), batch 64
+  c   5 ms of waiting (I/O) per sample, batch 32
+
+    python scripts/bench_auto.py                       # a and c, counts 1,2,4,8,16
+    python scripts/bench_auto.py --workloads c --epochs c=20 --json auto.json
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_loaders as bl  # noqa: E402  (its datasets and page-touching consumer)
+
+import kpipe  # noqa: E402  (bench_loaders put the repository first on sys.path)
+
+_WORKLOADS = ("a", "c")
+_EPOCHS = "a=10,c=10"
+
+
+def run(make, workers, epochs):
+    """Samples/s after the first batch, and the loader's stats at the end."""
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    inner = make()
+    counts = [0, 0, None, 0]
+    t0 = time.perf_counter()
+    max_queue = None if workers == "auto" else max(10, 2 * workers)
+    loader = kpipe.ProcessLoader(inner, workers=workers, max_queue_size=max_queue)
+    try:
+        adapter = PyDatasetAdapter(loader, shuffle=False)
+        for _ in range(epochs):
+            adapter.on_epoch_begin()
+            bl.consume(adapter.get_numpy_iterator(), counts)
+            adapter.on_epoch_end()
+        end = time.perf_counter()
+        stats = loader.stats()
+    finally:
+        loader.close()
+    return (counts[1] - counts[3]) / (end - counts[2]), stats
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(_WORKLOADS), help=f"comma-separated subset of {','.join(_WORKLOADS)}. Default: both")
+    parser.add_argument("--counts", default="1,2,4,8,16", help="fixed worker counts to compare with. Default: 1,2,4,8,16")
+    parser.add_argument("--epochs", default=_EPOCHS, help=f"epochs per run, per workload. Default: {_EPOCHS}")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every count, in rounds; the best counts. Default: 2")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one run, counts 1,2 (a smoke test, not a measurement)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in workloads if w not in _WORKLOADS]
+    if bad or not workloads:
+        parser.error(f"--workloads takes {', '.join(_WORKLOADS)}. Received: {args.workloads}")
+    try:
+        counts = [int(c) for c in ("1,2" if args.quick else args.counts).split(",")]
+        epochs = dict(item.split("=") for item in args.epochs.split(","))
+        epochs = {w: int(epochs.get(w, 1)) for w in _WORKLOADS}
+    except ValueError:
+        parser.error(f"--counts takes integers and --epochs `w=N,...`. Received: --counts {args.counts} --epochs {args.epochs}")
+    if min(counts) < 1 or args.repeats < 1:
+        parser.error(f"--counts and --repeats must be >= 1. Received: --counts {args.counts} --repeats {args.repeats}")
+    scale, repeats = (0.125, 1) if args.quick else (1.0, args.repeats)
+    if args.quick:
+        epochs = dict.fromkeys(_WORKLOADS, 1)
+    makers = {
+        "a": lambda: bl.Augment(num_images=int(2048 * scale)),
+        "c": lambda: bl.Waits(n=max(8, int(48 * scale))),
+    }
+    rows = []
+    for w in workloads:
+        runs = {c: [] for c in counts + ["auto"]}
+        ends = []
+        for _ in range(repeats):
+            for c in counts + ["auto"]:
+                rate, stats = run(makers[w], c, epochs[w])
+                runs[c].append(rate)
+                if c == "auto":
+                    ends.append(stats)
+                print(f"  {w}: workers={c!s:<5} {rate:10.1f} samples/s" + (f"  (ended with {stats['workers']})" if c == "auto" else ""), flush=True)
+        best_fixed = max(max(runs[c]) for c in counts)
+        for c in counts + ["auto"]:
+            row = {"workload": w, "workers": c, "samples_per_s": max(runs[c]), "samples_per_s_runs": runs[c], "x_best_fixed": max(runs[c]) / best_fixed}
+            if c == "auto":
+                best = max(range(len(runs[c])), key=runs[c].__getitem__)
+                row["workers_end"] = ends[best]["workers"]
+                row["cpu_limit"] = ends[best]["cpu_limit"]
+                row["auto_decisions"] = ends[best]["auto_decisions"]
+            rows.append(row)
+
+    print(f"\nworkers='auto' vs fixed: {len(os.sched_getaffinity(0))} CPUs, epochs {epochs}, best of {repeats} runs in rounds\n")
+    print(f"{'workload':<10}{'workers':>9}{'samples/s':>12}{'x best fixed':>14}  auto: workers at the end (changes)")
+    for r in rows:
+        extra = ""
+        if r["workers"] == "auto":
+            changes = " ".join(f"{d['workers_from']}->{d['workers_to']}@{d['t']:.1f}s" for d in r["auto_decisions"])
+            extra = f"  {r['workers_end']} ({changes or 'none'})"
+        print(f"{r['workload']:<10}{r['workers']!s:>9}{r['samples_per_s']:>12.1f}{r['x_best_fixed']:>14.2f}{extra}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

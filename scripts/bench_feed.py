@@ -1,0 +1,307 @@
+#!/usr/bin/env python3
+"""How fast `fit()` can *take* batches: kpipe's loaders against an in-memory tf.data
+pipeline, side by side in one run (issue #13, part 5).
+
+The model's step costs almost nothing (a Dense layer on a 4x4 corner of each image, cast
+to float32), so steps/s measures the hand-over of batches into `fit()`, not the model.
+The batches are uint8 images held in memory (`--distinct` distinct batches, served
+round-robin for `--steps` steps per epoch), labels int64:
+
+  1.5 MB   128 x 64 x 64 x 3
+  9.6 MB   64 x 224 x 224 x 3
+
+Rows (each one `fit(epochs=1 + --epochs)`; the best epoch after the first counts):
+
+  tf.data              tf.data.Dataset.from_tensor_slices(...).batch(...).prefetch(AUTOTUNE)
+                       (the 1.00 reference)
+  PyDataset            a plain keras.utils.PyDataset returning views of the arrays
+  kpipe                kpipe.ProcessLoader(dataset, workers=--workers)
+  kpipe.as_dataset     the same loader's .as_dataset()
+  kpipe auto           kpipe.ProcessLoader(dataset, workers="auto")
+  keras-mp             the PyDataset with workers=--workers, use_multiprocessing=True
+
+Then a per-batch breakdown of the main process's time on the kpipe paths (`fit(loader)`
+and `fit(loader.as_dataset())`), from `time.perf_counter` wrappers around the loader's
+calls: time in the loader per batch (`_stream_next`, the read Keras's adapter and
+`as_dataset()` make), of it the wait for the worker's message (`_pump`), building the
+batch's arrays over the shared slot (`get` minus `_pump`), submitting the next task
+(`submit`) and the loader's own bookkeeping; then Keras's `_standardize_batch`; the rest
+of the step is TensorFlow's (`from_generator`'s conversion, tf.data, the train step).
+The loader runs in a tf.data thread, so its time overlaps the training step.
+
+    python scripts/bench_feed.py                       # both sizes, all rows
+    python scripts/bench_feed.py --sizes 1.5MB --epochs 6 --json feed.json
+    python scripts/bench_feed.py --small               # a smoke test, not a measurement
+"""
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+import keras  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kpipe  # noqa: E402
+
+_SIZES = {"1.5MB": (128, 64, 64, 3), "9.6MB": (64, 224, 224, 3)}
+_SMALL_SIZES = {"1.5MB": (16, 16, 16, 3), "9.6MB": (8, 32, 32, 3)}
+_ROWS = ("tf.data", "PyDataset", "kpipe", "kpipe.as_dataset", "kpipe auto", "keras-mp")
+
+
+class Batches(keras.utils.PyDataset):
+    """Batch i is batch `i % distinct` of arrays held in memory (views, no copy)."""
+
+    def __init__(self, x, y, steps, **kw):
+        super().__init__(**kw)
+        self.x, self.y, self.steps = x, y, steps
+
+    def __len__(self):
+        return self.steps
+
+    def __getitem__(self, i):
+        distinct = self.x.shape[0]
+        return self.x[i % distinct], self.y[i % distinct]
+
+
+def make_data(shape, distinct):
+    """`distinct` batches of `shape` uint8 images and int64 labels: (distinct, *shape)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, size=(distinct,) + shape, dtype=np.uint8)
+    y = rng.integers(0, 10, size=(distinct, shape[0])).astype("int64")
+    return x, y
+
+
+def make_model(shape):
+    """A step that costs ~nothing whatever the batch size: Dense on a 4x4 corner."""
+    inputs = keras.Input(shape=shape[1:], dtype="uint8")
+    corner = keras.layers.Lambda(lambda t: keras.ops.cast(t[:, :4, :4, :], "float32") * (1 / 255))(inputs)
+    outputs = keras.layers.Dense(10)(keras.layers.Flatten()(corner))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+class EpochTimer(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs = []  # (steps, seconds)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._t0, self._steps = time.perf_counter(), 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append((self._steps, time.perf_counter() - self._t0))
+
+
+def tfdata_input(x, y, steps):
+    import tensorflow as tf
+
+    distinct = x.shape[0]
+    flat_x = x.reshape((-1,) + x.shape[2:])
+    flat_y = y.reshape(-1)
+    ds = tf.data.Dataset.from_tensor_slices((flat_x, flat_y)).batch(x.shape[1])
+    repeats = -(-steps // distinct)
+    return ds.repeat(repeats).take(steps).prefetch(tf.data.AUTOTUNE)
+
+
+@contextlib.contextmanager
+def make_input(row, x, y, steps, workers):
+    """The input `fit()` gets for `row`; closes what it started afterwards."""
+    if row == "tf.data":
+        yield tfdata_input(x, y, steps), None
+    elif row == "PyDataset":
+        yield Batches(x, y, steps), None
+    elif row == "keras-mp":
+        yield Batches(x, y, steps, workers=workers, use_multiprocessing=True, max_queue_size=10), None
+    else:
+        loader = kpipe.ProcessLoader(Batches(x, y, steps), workers="auto" if row == "kpipe auto" else workers)
+        try:
+            yield (loader.as_dataset() if row == "kpipe.as_dataset" else loader), loader
+        finally:
+            loader.close()
+
+
+def fit_rate(model, data, epochs):
+    """Steps/s of the best epoch after the first (warm-up), and all epochs' rates."""
+    timer = EpochTimer()
+    model.fit(data, epochs=1 + epochs, verbose=0, callbacks=[timer])
+    rates = [steps / seconds for steps, seconds in timer.epochs]
+    return max(rates[1:] or rates), rates, timer
+
+
+class _Clock:
+    """Accumulates the wall time of calls to wrapped functions, per name."""
+
+    def __init__(self):
+        self.total = {}
+        self.calls = {}
+
+    def wrap(self, name, fn):
+        total, calls = self.total, self.calls
+        total.setdefault(name, 0.0)
+        calls.setdefault(name, 0)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[name] += time.perf_counter() - t0
+                calls[name] += 1
+
+        return timed
+
+    def reset(self):
+        for k in self.total:
+            self.total[k], self.calls[k] = 0.0, 0
+
+
+def breakdown(model, x, y, steps, epochs, workers, as_dataset):
+    """Per-batch microseconds of the kpipe path's main-process work (see the docstring)."""
+    from keras.src.trainers import data_adapters
+
+    clock = _Clock()
+    adapter_cls = data_adapters.PyDatasetAdapter
+    original = adapter_cls._standardize_batch
+    adapter_cls._standardize_batch = clock.wrap("standardize", original)
+    loader = kpipe.ProcessLoader(Batches(x, y, steps), workers=workers)
+    try:
+        loader._stream_next = clock.wrap("loader", loader._stream_next)
+        backend = loader._backend
+        backend.get = clock.wrap("get", backend.get)
+        backend.submit = clock.wrap("submit", backend.submit)
+        backend._pump = clock.wrap("pump", backend._pump)
+        data = loader.as_dataset() if as_dataset else loader
+        timer = EpochTimer()
+
+        class Reset(keras.callbacks.Callback):  # count the timed epochs only
+            def on_epoch_begin(self, epoch, logs=None):
+                clock.reset()
+                self.batches0 = loader.stats()["batches"]
+
+            def on_epoch_end(self, epoch, logs=None):
+                per = {k: v for k, v in clock.total.items()}
+                per["batches"] = loader.stats()["batches"] - self.batches0
+                epochs_seen.append(per)
+
+        epochs_seen = []
+        model.fit(data, epochs=1 + epochs, verbose=0, callbacks=[timer, Reset()])
+    finally:
+        adapter_cls._standardize_batch = original
+        loader.close()
+    rates = [s / t for s, t in timer.epochs]
+    best = max(range(1, len(rates)), key=rates.__getitem__) if len(rates) > 1 else 0
+    per, rate = epochs_seen[best], rates[best]
+    n = max(1, per["batches"])
+    us = {k: 1e6 * per[k] / n for k in ("loader", "get", "submit", "pump", "standardize")}
+    return {
+        "path": "fit(loader.as_dataset())" if as_dataset else "fit(loader)",
+        "steps_per_s": rate,
+        "step_us": 1e6 / rate,
+        "loader_us": us["loader"],
+        "wait_recv_us": us["pump"],
+        "arrays_us": us["get"] - us["pump"],
+        "submit_us": us["submit"],
+        "bookkeeping_us": us["loader"] - us["get"] - us["submit"],
+        "standardize_us": 0.0 if as_dataset else us["standardize"],
+        "rest_us": 1e6 / rate - us["loader"] - (0.0 if as_dataset else us["standardize"]),
+    }
+
+
+def print_table(rows, sizes):
+    print(f"\n{'input to fit()':<20}" + "".join(f"{size + ' steps/s':>17}{'vs tf.data':>12}" for size in sizes))
+    print("-" * (20 + 29 * len(sizes)))
+    for name in dict.fromkeys(r["row"] for r in rows):
+        line = f"{name:<20}"
+        for size in sizes:
+            r = next((r for r in rows if r["row"] == name and r["size"] == size), None)
+            line += f"{r['steps_per_s']:>17.0f}{r['vs_tfdata']:>12.2f}" if r else f"{'-':>17}{'-':>12}"
+        print(line)
+
+
+def print_breakdown(items):
+    cols = [("step_us", "step"), ("loader_us", "in loader"), ("wait_recv_us", "wait+recv"), ("arrays_us", "arrays"),
+            ("submit_us", "submit"), ("bookkeeping_us", "bookkeep"), ("standardize_us", "keras std"), ("rest_us", "rest")]
+    print(f"\nPer-batch main-process time of the kpipe paths, microseconds (workers={items[0]['workers']}):")
+    print(f"{'size':<7}{'path':<26}" + "".join(f"{c[1]:>11}" for c in cols))
+    for b in items:
+        print(f"{b['size']:<7}{b['path']:<26}" + "".join(f"{b[c[0]]:>11.0f}" for c in cols))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=",".join(_SIZES), help=f"comma-separated subset of {','.join(_SIZES)}. Default: both")
+    parser.add_argument("--rows", default=",".join(_ROWS), help=f"comma-separated subset of {','.join(_ROWS)} (tf.data is always run). Default: all")
+    parser.add_argument("--epochs", type=int, default=4, help="timed epochs after one warm-up epoch; the best counts. Default: 4")
+    parser.add_argument("--steps", type=int, default=64, help="batches per epoch. Default: 64")
+    parser.add_argument("--distinct", type=int, default=16, help="distinct batches held in memory, served round-robin. Default: 16")
+    parser.add_argument("--workers", type=int, default=2, help="workers of the kpipe and Keras multiprocessing rows. Default: 2")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the per-batch breakdown of the kpipe paths")
+    parser.add_argument("--small", action="store_true", help="tiny batches, 8 steps, 1 timed epoch: a smoke test, not a measurement")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    bad = [s for s in sizes if s not in _SIZES]
+    if bad or not sizes:
+        parser.error(f"--sizes takes {', '.join(_SIZES)}. Received: {args.sizes}")
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    bad = [r for r in rows if r not in _ROWS]
+    if bad:
+        parser.error(f"--rows takes {', '.join(_ROWS)}. Received: {','.join(bad)}")
+    rows = ["tf.data"] + [r for r in _ROWS[1:] if r in rows]
+    for name in ("epochs", "steps", "distinct", "workers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1. Received: {getattr(args, name)}")
+    shapes = _SMALL_SIZES if args.small else _SIZES
+    epochs, steps = (1, 8) if args.small else (args.epochs, args.steps)
+    distinct = min(args.distinct, steps)
+
+    import tensorflow as tf
+
+    results, parts = [], []
+    for size in sizes:
+        shape = shapes[size]
+        x, y = make_data(shape, distinct)
+        model = make_model(shape)
+        for row in rows:
+            with make_input(row, x, y, steps, args.workers) as (data, loader):
+                best, rates, _ = fit_rate(model, data, epochs)
+                extra = {"workers_end": loader.stats()["workers"]} if loader is not None else {}
+            results.append({"size": size, "batch_shape": list(shape), "batch_mb": x[0].nbytes / 1e6, "row": row,
+                            "steps_per_s": best, "epoch_rates": rates, **extra})
+            print(f"  {size}: {row:<18} {best:8.0f} steps/s", flush=True)
+        ref = next(r["steps_per_s"] for r in results if r["size"] == size and r["row"] == "tf.data")
+        for r in results:
+            if r["size"] == size:
+                r["vs_tfdata"] = r["steps_per_s"] / ref
+        if not args.no_breakdown:
+            for as_dataset in (False, True):
+                parts.append(dict(breakdown(model, x, y, steps, epochs, args.workers, as_dataset), size=size, workers=args.workers))
+        del model, x, y
+
+    print(f"\nFeed benchmark: {len(os.sched_getaffinity(0))} CPUs, {steps} steps per epoch, best of 1 warm-up + {epochs} epochs, "
+          f"workers={args.workers}, tensorflow {tf.__version__}, keras {keras.__version__}" + (" (--small: smoke test)" if args.small else ""))
+    print_table(results, sizes)
+    if parts:
+        print_breakdown(parts)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": results, "breakdown": parts, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Smoke tests of scripts/bench_feed.py and scripts/bench_auto.py: every row runs and the
+tables have their shape (no timing assertions)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = ["tf.data", "PyDataset", "kpipe", "kpipe.as_dataset", "kpipe auto", "keras-mp"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_bench_feed_small_run_reports_every_row_and_the_breakdown(tmp_path):
+    out = tmp_path / "feed.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_feed.py"), "--small", "--json", str(out)],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    for size in ("1.5MB", "9.6MB"):
+        mine = [r for r in rows if r["size"] == size]
+        assert [r["row"] for r in mine] == ROWS
+        assert all(r["steps_per_s"] > 0 and len(r["epoch_rates"]) == 2 for r in mine)
+        assert mine[0]["vs_tfdata"] == 1.0
+    assert [(b["size"], b["path"]) for b in result["breakdown"]] == [
+        (s, p) for s in ("1.5MB", "9.6MB") for p in ("fit(loader)", "fit(loader.as_dataset())")
+    ]
+    for b in result["breakdown"]:
+        assert b["loader_us"] > 0 and b["step_us"] > 0
+        parts = b["wait_recv_us"] + b["arrays_us"] + b["submit_us"] + b["bookkeeping_us"]
+        assert abs(parts - b["loader_us"]) < 1e-6 * max(1.0, b["loader_us"]) + 1e-9
+    table = proc.stdout[proc.stdout.index("input to fit()"):]
+    assert all(name in table for name in ROWS) and "Per-batch main-process time" in proc.stdout
+
+
+def test_bench_feed_rejects_bad_arguments():
+    for bad in (["--sizes", "3MB"], ["--rows", "torch"], ["--epochs", "0"]):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_feed.py"), *bad],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Received" in proc.stderr, (bad, proc.stderr[-500:])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bench_auto_quick_run_reports_fixed_counts_and_auto(tmp_path):
+    out = tmp_path / "auto.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_auto.py"), "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["workers"]) for r in rows] == [(w, c) for w in ("a", "c") for c in (1, 2, "auto")]
+    assert all(r["samples_per_s"] > 0 for r in rows)
+    assert max(r["x_best_fixed"] for r in rows if r["workers"] != "auto") == 1.0
+    auto = [r for r in rows if r["workers"] == "auto"]
+    assert all(r["workers_end"] >= 1 and isinstance(r["auto_decisions"], list) for r in auto)
