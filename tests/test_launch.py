@@ -87,13 +87,17 @@ def test_failing_worker_stops_the_others_and_sets_the_exit_code(no_leaks):
     assert result.returncodes == (-signal.SIGTERM, 3)
 
 
-def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(no_leaks):
-    result = launch(_py("""
+def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, no_leaks):
+    ready = tmp_path / "ignoring"
+    result = launch(_py(f"""
         import os, signal, sys, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if os.environ["KPIPE_LAUNCH_WORKER"] == "0":
+            deadline = time.monotonic() + 60  # fail only once worker 1 ignores SIGTERM
+            while not os.path.exists({str(ready)!r}) and time.monotonic() < deadline:
+                time.sleep(0.01)
             sys.exit(5)
-        print("ready", flush=True)
+        open({str(ready)!r}, "w").close()
         time.sleep(120)
         """), workers=2, output=io.StringIO(), grace_s=0.5)
     assert result.returncode == 5 and result.failed_worker == 0
