@@ -118,8 +118,11 @@ def _per_step_ms(steps):
 
 
 def _draw_panel(ax, steps, epochs, label, top):
+    from matplotlib.ticker import MaxNLocator
+
     rows = steps.counted
-    first, count = steps.first_step[rows], steps.steps[rows]
+    # Step numbers from 1, as Keras's progress bar counts; a bar centred on its step number.
+    first, count = steps.first_step[rows] + 0.5, steps.steps[rows]
     wait_ms = 1e3 * steps.wait_s[rows] / count
     compute_ms = 1e3 * np.maximum(steps.compute_s[rows], 0.0) / count
     # Step-shaped areas (one flat top per row): fast for 10 000 rows, unlike one bar each.
@@ -140,6 +143,7 @@ def _draw_panel(ax, steps, epochs, label, top):
     if steps.window > 1:
         xlabel += f" (means over windows of up to {steps.window} steps)"
     ax.set_xlabel(xlabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(axis="y", alpha=0.3)
     ax.set_xlim(first[0], x[-1])
     _mark_epochs(ax, steps, epochs, first[0], x[-1], top)
@@ -151,18 +155,17 @@ def _mark_epochs(ax, steps, epochs, x0, x1, top):
     bounds = []
     for epoch in np.unique(steps.epoch):
         in_epoch = steps.epoch == epoch
-        start = max(int(steps.first_step[in_epoch].min()), x0)
-        end = int((steps.first_step[in_epoch] + steps.steps[in_epoch]).max())
+        start = max(float(steps.first_step[in_epoch].min()) + 0.5, x0)
+        end = float((steps.first_step[in_epoch] + steps.steps[in_epoch]).max()) + 0.5
         bounds.append((int(epoch), start, end))
     # At most ~7 labels fit side by side: with more epochs, every k-th epoch is labelled.
     stride = max(1, int(np.ceil(len(bounds) / 7)))
-    many = len(bounds) > 1
     narrow = stride > 1 or min(end - start for _, start, end in bounds) < 0.12 * (x1 - x0)
     for k, (epoch, start, end) in enumerate(bounds):
         if k:
             ax.axvline(start, color="0.35", linestyle="--", linewidth=0.9)
         if epoch in share and k % stride == 0:
-            text = f"epoch {epoch + 1}\n{share[epoch]:.0%} wait" if many else f"{share[epoch]:.0%} wait"
+            text = f"epoch {epoch + 1}\n{share[epoch]:.0%} wait"
             if narrow:  # left-aligned on the epoch's start line, over the lines it crosses
                 ax.text(start + 0.006 * (x1 - x0), top * 1.27, text, ha="left", va="top", fontsize="small", color="0.2",
                         bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
