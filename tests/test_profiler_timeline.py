@@ -215,10 +215,10 @@ def test_plot_one_and_two_profilers_writes_pngs_of_the_expected_size(tmp_path):
     before = fitted(Delayed(delay=lambda i: 0.01))
     after = fitted()
     one = after.plot(str(tmp_path / "one.png"))
-    assert png_size(tmp_path / "one.png") == (800, 390)
+    assert png_size(tmp_path / "one.png") == (800, 400)
     two = after.plot(str(tmp_path / "two.png"), before=before, labels=["before", "after"], title="T")
-    assert png_size(tmp_path / "two.png") == (1280, 390)
-    assert png_size(two._repr_png_()) == (1280, 390)  # how Jupyter shows it
+    assert png_size(tmp_path / "two.png") == (1080, 400)
+    assert png_size(two._repr_png_()) == (1080, 400)  # how Jupyter shows it
     left, right = two.axes[:2]
     assert left.get_shared_y_axes().joined(left, right) and left.get_shared_x_axes().joined(left, right)
     assert left.get_title().startswith("before\n") and "steps/s" in right.get_title()
@@ -303,7 +303,7 @@ def test_plot_script_writes_the_figure_and_its_numbers(tmp_path, no_leaks):
     out = tmp_path / "fig.png"
     assert plot_input_wait.main(["--out", str(out), "--steps", "6", "--epochs", "2", "--delay-ms", "5",
                                  "--workers", "2", "--json", str(tmp_path / "n.json")]) == 0
-    assert png_size(out) == (1280, 390) and os.path.getsize(out) < 150_000
+    assert png_size(out) == (1080, 400) and os.path.getsize(out) < 150_000
     import json
 
     numbers = json.load(open(tmp_path / "n.json"))
@@ -322,7 +322,7 @@ def test_demo_writes_the_before_after_timeline(tmp_path, monkeypatch, capsys, no
     out = tmp_path / "demo.png"
     assert main(["demo", "--samples", "256", "--epochs", "2", "--workers", "2", "--plot", str(out)]) == 0
     assert f"timeline: {out}" in capsys.readouterr().out
-    assert png_size(out) == (1280, 390)
+    assert png_size(out) == (1080, 400)
 
 
 def test_demo_plot_without_matplotlib_fails_before_training(monkeypatch, capsys):

@@ -77,7 +77,8 @@ def plot_timelines(steps_list, epochs_list, *, labels, path=None, title=None, dp
     n = len(steps_list)
     figure_class = _figure_class()
     layout = {"layout": "constrained"} if _version(matplotlib) >= (3, 6) else {"constrained_layout": True}
-    fig = figure_class(figsize=(6.4 * n, 3.9) if n > 1 else (8.0, 3.9), dpi=dpi, **layout)
+    # Sized to be read at ~900 px wide (a README column, a notebook cell) without zooming.
+    fig = figure_class(figsize=(5.4 * n, 4.0) if n > 1 else (8.0, 4.0), dpi=dpi, **layout)
     axes = fig.subplots(1, n, sharex=True, sharey=True, squeeze=False)[0]
     per_step = np.concatenate([_per_step_ms(s) for s in steps_list])
     top = _y_top(per_step)
@@ -127,11 +128,11 @@ def _draw_panel(ax, steps, epochs, label, top):
     compute_ms = 1e3 * np.maximum(steps.compute_s[rows], 0.0) / count
     # Step-shaped areas (one flat top per row): fast for 10 000 rows, unlike one bar each.
     x = np.append(first, first[-1] + count[-1])
-    ax.fill_between(x, 0, np.append(compute_ms, compute_ms[-1]), step="post", color=_COMPUTE_COLOUR, linewidth=0)
     total = compute_ms + wait_ms
-    ax.fill_between(x, np.append(compute_ms, compute_ms[-1]), np.append(total, total[-1]), step="post",
-                    color=_WAIT_COLOUR, linewidth=0)
     clipped = total > top
+    low, high = np.minimum(compute_ms, top), np.minimum(total, top)  # outliers stop at the top
+    ax.fill_between(x, 0, np.append(low, low[-1]), step="post", color=_COMPUTE_COLOUR, linewidth=0)
+    ax.fill_between(x, np.append(low, low[-1]), np.append(high, high[-1]), step="post", color=_WAIT_COLOUR, linewidth=0)
     if clipped.any():  # off the scale: a marker at the top (the legend gives the tallest)
         ax.plot(first[clipped] + count[clipped] / 2, np.full(clipped.sum(), top), linestyle="none", marker="^",
                 markersize=5, color="0.2")
