@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import kpipe
+import kpipe.callbacks._profiler
 from _datasets import Squares
 from kpipe.callbacks import InputProfiler
 from kpipe.callbacks import _timeline
@@ -61,9 +62,10 @@ def png_size(path_or_bytes):
 
 
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
-def test_per_step_records_add_up_to_the_logged_epoch_figures(steps_per_execution, tmp_path):
+def test_per_step_records_add_up_to_the_logged_epoch_figures(steps_per_execution, tmp_path, monkeypatch):
+    monkeypatch.setattr(kpipe.callbacks._profiler, "_TB_BATCH", 2)  # TensorBoard writes between steps, left out
     model = tiny_model(steps_per_execution=steps_per_execution)
-    profiler = InputProfiler(warn_above=None, log_dir=str(tmp_path))  # TensorBoard writes are left out too
+    profiler = InputProfiler(warn_above=None, log_dir=str(tmp_path))
     history = model.fit(Delayed(n=7, delay=lambda i: 0.002 * (i % 3)), epochs=3, verbose=0, callbacks=[profiler])
     steps = profiler.steps
     assert len(steps) == len(steps.wait_s) == len(steps.queue_depth) and steps.window == 1
@@ -81,6 +83,8 @@ def test_per_step_records_add_up_to_the_logged_epoch_figures(steps_per_execution
         assert t["wait_s"] / t["step_s"] == pytest.approx(share, rel=1e-9)
     # start_s increases step by step; epochs are contiguous runs
     assert (np.diff(steps.start_s) > 0).all() and (np.diff(steps.epoch) >= 0).all()
+    logged = read_scalars(str(tmp_path))["step_ms"]  # every measured call, written mid-epoch too
+    assert np.allclose([v for _, v in logged], 1e3 * steps.step_s[steps.counted], rtol=1e-6)
 
 
 def test_memory_stays_bounded_and_sums_exact_over_100k_steps():

@@ -46,10 +46,12 @@ per replica plus the `PerReplica` assembly, about a millisecond for two replicas
 
 What it costs: the wrapper's bookkeeping is 6-15 us per step (a few `perf_counter()`
 calls, the batch size read from static shapes, a few additions; measured on 2 busy
-cores), and fetching outside the compiled step was not slower than inside it (on a 1 ms
+cores; the per-step record adds about 1-3 us, `StepTimeline.add` timed alone), and fetching outside the compiled step was not slower than inside it (on a 1 ms
 MLP step, `fit()` with the profiler was 1-13% *faster* than without, median over
 back-to-back pairs; on a 50 ms CNN step the difference stayed within run-to-run noise).
-That is under 0.1% of a 20 ms step. `scripts/bench_profiler.py` measures it on your
+That is under 0.1% of a 20 ms step. With `log_dir`, the per-step TensorBoard values are
+buffered and written at the epoch's end (and every 4096 steps, a write whose duration is
+left out of the figures), never inside a step. `scripts/bench_profiler.py` measures it on your
 machine. What it changes: with
 `steps_per_execution=k > 1`, the k steps run as k calls of the compiled step instead of
 one `tf.while_loop`. What it does not see: validation steps (only training is measured);
