@@ -88,6 +88,8 @@ def plot_timelines(steps_list, epochs_list, *, labels, path=None, title=None, dp
             ax.set_ylabel("time per step (ms)")
     ax = axes[0]
     ax.set_ylim(0, top * 1.3)  # head room for the epoch labels (shared by all panels)
+    spans = [(s.first_step[s.counted][0] + 0.5, (s.first_step + s.steps)[s.counted][-1] + 0.5) for s in steps_list]
+    ax.set_xlim(min(a for a, _ in spans), max(b for _, b in spans))  # every panel's steps, shared
     handles = [
         matplotlib.patches.Patch(color=_WAIT_COLOUR, label="waiting for input"),
         matplotlib.patches.Patch(color=_COMPUTE_COLOUR, label="computing (step + callbacks)"),
@@ -146,7 +148,6 @@ def _draw_panel(ax, steps, epochs, label, top):
     ax.set_xlabel(xlabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(axis="y", alpha=0.3)
-    ax.set_xlim(first[0], x[-1])
     _mark_epochs(ax, steps, epochs, first[0], x[-1], top)
 
 
