@@ -11,6 +11,10 @@ image a random crop, flip, colour jitter and conversion to float32 in NumPy. Whi
 runs, `nvidia-smi` is sampled at 10 Hz; only samples inside the arm's timed steps count
 (the first epoch, with graph compilation and worker start-up, is a warm-up). Printed per
 arm: GPU busy % (mean utilisation), samples/s and input-wait share (InputProfiler).
+`--plot` (default `gpu_check.png`, needs matplotlib) draws both arms side by side over
+the timed epoch: GPU utilisation over time above, each step's input wait (InputProfiler's
+per-step record) below, on the same time axis -- the swing between 0% and 90% and the
+waits that cause it, then its cure.
 
 Run it through `scripts/gpu_check.sh`, which installs what is needed and exits 0 on a
 machine without an NVIDIA GPU. `--cpu-ok` runs it without a GPU (GPU columns say n/a):
@@ -112,10 +116,17 @@ def run_arm(args):
         with kpipe.ProcessLoader(dataset, workers=args.workers, max_queue_size=2 * args.workers) as loader:
             model.fit(loader, epochs=2, verbose=0, callbacks=[profiler, clock])
     timed = profiler.epochs[-1]
+    steps = profiler.steps
+    rows = (steps.epoch == timed["epoch"]) & steps.counted
+    t0 = float(steps.start_s[rows][0]) if rows.any() else 0.0
     print("ARM_RESULT " + json.dumps({
         "arm": args.arm, "start": clock.start, "end": clock.end,
         "samples_per_sec": timed["samples_per_sec"], "input_wait_share": timed["input_wait_share"],
         "steps": timed["steps"],
+        # per step of the timed epoch: start (s since its first step), input wait and step time (ms)
+        "step_start_s": [round(float(t) - t0, 5) for t in steps.start_s[rows]],
+        "step_wait_ms": [round(1e3 * float(w) / n, 3) for w, n in zip(steps.wait_s[rows], steps.steps[rows])],
+        "step_ms": [round(1e3 * float(w) / n, 3) for w, n in zip(steps.step_s[rows], steps.steps[rows])],
     }), flush=True)
     return 0
 
@@ -148,6 +159,10 @@ class _SmiSampler:
         window = [u for t, u in self.samples if start <= t <= end]
         return (sum(window) / len(window), len(window)) if window else (None, 0)
 
+    def series(self, start, end):
+        """`[(seconds since start, utilisation %)]` of the samples in [start, end]."""
+        return [(round(t - start, 3), u) for t, u in self.samples if start <= t <= end]
+
     def close(self):
         self._proc.terminate()
         try:
@@ -173,6 +188,39 @@ def _launch_arm(arm, args):
     return json.loads(line[len("ARM_RESULT "):])
 
 
+def plot_utilisation(results, names, path):
+    """Both arms side by side, shared axes: GPU utilisation (%) over the timed epoch above,
+    each step's input wait (ms) at the time it began below."""
+    from matplotlib.figure import Figure
+
+    arms = [r for r in results if "error" not in r]
+    fig = Figure(figsize=(5.4 * len(arms), 5.2), dpi=100, layout="constrained")
+    axes = fig.subplots(2, len(arms), sharex=True, sharey="row", squeeze=False)
+    for col, r in enumerate(arms):
+        top, bottom = axes[0][col], axes[1][col]
+        series = r.get("gpu_series") or []
+        busy = f"GPU busy {r['gpu_busy_pct']:.0f}%" if r.get("gpu_busy_pct") is not None else "no GPU samples"
+        top.set_title(f"{names[r['arm']]}\n{busy}, {r['samples_per_sec']:,.0f} samples/s, input wait {r['input_wait_share']:.0%}",
+                      fontsize="medium")
+        if series:
+            t, u = zip(*series)
+            top.fill_between(t, u, step="post", color="#5b8db8", alpha=0.8, linewidth=0)
+        else:
+            top.text(0.5, 0.5, "no GPU samples (run with a GPU)", transform=top.transAxes, ha="center", color="0.3")
+        top.set_ylim(0, 105)
+        top.grid(axis="y", alpha=0.3)
+        start, wait = r.get("step_start_s", []), r.get("step_wait_ms", [])
+        bottom.bar(start, wait, width=[max(1e-3, s / 1e3) for s in r.get("step_ms", [])], align="edge",
+                   color="#d1495b", linewidth=0)
+        bottom.set_xlabel("seconds into the timed epoch")
+        bottom.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("GPU utilisation (%)")
+    axes[1][0].set_ylabel("input wait per step (ms)")
+    fig.suptitle("Is the GPU kept busy? Utilisation and input wait over time", fontweight="bold")
+    fig.savefig(path)
+    return fig
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60, help="training steps per epoch (2 epochs per arm; the 2nd is timed). Defaults to 60.")
@@ -182,6 +230,9 @@ def main(argv=None) -> int:
     parser.add_argument("--arm-timeout", type=float, default=120.0, help="seconds one arm may take. Defaults to 120.")
     parser.add_argument("--cpu-ok", action="store_true", help="run without a GPU (no utilisation figures)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--plot", metavar="PNG", default="gpu_check.png",
+                        help="draw GPU utilisation and input wait over time for both arms (needs matplotlib). "
+                             "Defaults to gpu_check.png; '' draws nothing.")
     parser.add_argument("--arm", choices=("keras", "kpipe"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.arm:
@@ -198,6 +249,7 @@ def main(argv=None) -> int:
             result = _launch_arm(arm, args)
             if sampler and "error" not in result:
                 result["gpu_busy_pct"], result["gpu_samples"] = sampler.busy(result["start"], result["end"])
+                result["gpu_series"] = sampler.series(result["start"], result["end"])
             results.append(result)
     finally:
         if sampler:
@@ -213,6 +265,12 @@ def main(argv=None) -> int:
     ok = [r for r in results if "error" not in r]
     if len(ok) == 2:
         print(f"kpipe / keras samples/s: {ok[1]['samples_per_sec'] / ok[0]['samples_per_sec']:.2f}x")
+    if args.plot and ok:
+        try:
+            plot_utilisation(results, names, args.plot)
+            print(f"gpu_check: wrote {args.plot}")
+        except ImportError:
+            print("gpu_check: --plot needs matplotlib (pip install 'kpipe[plot]'); no figure drawn.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "arm"}, "results": results}, f, indent=2)

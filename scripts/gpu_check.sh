@@ -3,7 +3,7 @@
 # ResNet-style model, with nvidia-smi sampled at 10 Hz (see scripts/gpu_check.py).
 #
 #   scripts/gpu_check.sh                   # defaults: 60 steps x 2 epochs per arm, < 5 minutes
-#   scripts/gpu_check.sh --workers 16 --json gpu.json
+#   scripts/gpu_check.sh --workers 16 --json gpu.json --plot gpu.png   # figure: utilisation over time
 #   PYTHON=/path/to/python scripts/gpu_check.sh   # use an existing environment
 #
 # Without an NVIDIA GPU it says so and exits 0. Otherwise it makes sure `kpipe` (this
@@ -36,7 +36,7 @@ sys.exit(0 if tf.config.list_physical_devices("GPU") else 1)
 PY
 }
 
-"$PY" -c "import kpipe" 2>/dev/null || "$PY" -m pip install -q -e .
+"$PY" -c "import kpipe, matplotlib" 2>/dev/null || "$PY" -m pip install -q -e ".[plot]"
 if ! sees_gpu; then
     echo "gpu_check: TensorFlow in $PY does not see the GPU; installing tensorflow[and-cuda]..."
     TF_VERSION=$("$PY" -c "import tensorflow as tf; print(tf.__version__)" 2>/dev/null || echo "")

@@ -1,5 +1,6 @@
 """Every notebook runs top to bottom in a real Jupyter kernel (KPIPE_SMALL=1 sizes)."""
 
+import base64
 import glob
 import json
 import os
@@ -46,6 +47,13 @@ def test_notebook_runs_top_to_bottom_in_a_kernel(path, tmp_path, monkeypatch):
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
     printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
     assert os.path.realpath(json.loads(printed)) == os.path.realpath(sys.executable)
+    if os.path.basename(path).startswith("01"):
+        # The notebook ends with the before/after timeline, shown as an image in the cell.
+        figure_cell = nb.cells[-2]
+        assert ".plot(before=" in figure_cell.source
+        images = [o for o in figure_cell.outputs if "image/png" in o.get("data", {})]
+        assert len(images) == 1, [o.get("data", {}).keys() for o in figure_cell.outputs]
+        assert base64.b64decode(images[0]["data"]["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 _RERUN_SETUP = '''

@@ -8,10 +8,13 @@ computed from the labels and `kpipe.callbacks.InputProfiler` measuring the input
 1. fed by a plain `keras.utils.PyDataset` (what most training scripts do), then
 2. fed by `kpipe.ProcessLoader(dataset, workers=N)` (the one-line change).
 
-It ends with both runs' samples/s and input-wait share side by side. `--devices 2` splits
-the CPU into two logical devices, so `auto_strategy` runs a local `MirroredStrategy`.
+It ends with both runs' samples/s and input-wait share side by side; `--plot demo.png`
+also draws both runs' per-step timelines (input wait stacked on compute) side by side.
+`--devices 2` splits the CPU into two logical devices, so `auto_strategy` runs a local
+`MirroredStrategy`.
 
     $ kpipe demo
+    $ kpipe demo --plot demo.png
     $ kpipe demo --workers 4 --epochs 3 --samples 8192 --devices 2
 """
 
@@ -31,6 +34,8 @@ def add_arguments(parser):
     parser.add_argument("--epochs", type=int, default=3, help="epochs per run. Defaults to 3.")
     parser.add_argument("--samples", type=int, default=8192, help="images in the generated dataset. Defaults to 8192.")
     parser.add_argument("--devices", type=int, default=1, help="logical CPU devices; > 1 trains with MirroredStrategy. Defaults to 1.")
+    parser.add_argument("--plot", metavar="PNG", help="write both runs' per-step timelines side by side to PNG "
+                        "(needs matplotlib: pip install 'kpipe[plot]')")
 
 
 def _check(args):
@@ -45,7 +50,11 @@ def _check(args):
 def run(args) -> int:
     try:
         _check(args)
-    except ValueError as exc:
+        if getattr(args, "plot", None):
+            from kpipe.callbacks import _plot
+
+            _plot.require_matplotlib()  # before minutes of training, not after
+    except (ValueError, ImportError) as exc:
         print(f"kpipe demo: error: {exc}", file=sys.stderr)
         return 2
     workers = args.workers if args.workers is not None else max(2, min(4, os.cpu_count() or 1))
@@ -83,6 +92,13 @@ def run(args) -> int:
         runs["kpipe"] = _train(keras, kpipe, strategy, loader, args.epochs, weights)
     print()
     print(format_summary(runs, workers, args.epochs))
+    if getattr(args, "plot", None):
+        runs["kpipe"]["profiler"].plot(
+            args.plot, before=runs["serial"]["profiler"],
+            labels=["serial PyDataset", f"kpipe ProcessLoader(workers={workers})"],
+            title="kpipe demo: input wait per training step, before and after",
+        )
+        print(f"timeline: {args.plot}")
     return 0
 
 
@@ -134,6 +150,7 @@ def _train(keras, kpipe, strategy, data, epochs, class_weight):
         "input_wait_share": sum(e["input_wait_s"] for e in profiler.epochs) / wall_s,
         "accuracy": float(history.history["accuracy"][-1]),
         "seconds": time.perf_counter() - t0,
+        "profiler": profiler,
     }
 
 

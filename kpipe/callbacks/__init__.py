@@ -1,6 +1,7 @@
-"""Keras callbacks: `InputProfiler` (input-wait share of each step), `Warmup` (gradual
-learning-rate warmup for large minibatches) and `BackupAndRestore` (crash-consistent,
-multi-worker-safe backups that resume every worker from the same epoch)."""
+"""Keras callbacks: `InputProfiler` (input-wait share of each step, its per-step timeline
+as arrays, a plot and TensorBoard scalars), `Warmup` (gradual learning-rate warmup for large
+minibatches) and `BackupAndRestore` (crash-consistent, multi-worker-safe backups that resume
+every worker from the same epoch)."""
 
 from kpipe import _lazy
 

@@ -1,0 +1,65 @@
+"""scripts/gpu_check.py / gpu_check.sh: the no-GPU exit, and the utilisation-over-time figure."""
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import gpu_check  # noqa: E402
+
+sys.path.pop(0)
+HAVE_GPU = shutil.which("nvidia-smi") is not None and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def png_size(path):
+    data = open(path, "rb").read(24)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="this machine has an NVIDIA GPU")
+def test_without_a_gpu_both_entry_points_say_so_and_exit_0(tmp_path, capsys):
+    assert gpu_check.main(["--plot", str(tmp_path / "g.png")]) == 0
+    assert "no NVIDIA GPU" in capsys.readouterr().out
+    assert not (tmp_path / "g.png").exists()
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "no NVIDIA GPU" in proc.stdout
+
+
+def test_figure_draws_utilisation_and_waits_for_both_arms(tmp_path):
+    def arm(name, busy):
+        return {
+            "arm": name, "samples_per_sec": 1000.0 if busy > 50 else 300.0, "input_wait_share": 1 - busy / 100,
+            "gpu_busy_pct": busy, "gpu_series": [(0.1 * i, (90.0 if i % 3 else 0.0) if busy < 50 else 88.0) for i in range(30)],
+            "step_start_s": [0.05 * i for i in range(60)], "step_wait_ms": [20.0 if busy < 50 else 0.5] * 60,
+            "step_ms": [50.0] * 60,
+        }
+
+    names = {"keras": "keras PyDataset", "kpipe": "kpipe ProcessLoader"}
+    fig = gpu_check.plot_utilisation([arm("keras", 40.0), arm("kpipe", 88.0)], names, str(tmp_path / "u.png"))
+    assert png_size(tmp_path / "u.png") == (1080, 520)
+    (u0, u1), (w0, w1) = fig.axes[0:2], fig.axes[2:4]
+    assert u0.get_ylabel() == "GPU utilisation (%)" and w0.get_ylabel() == "input wait per step (ms)"
+    assert w1.get_xlabel() == "seconds into the timed epoch"
+    assert "GPU busy 40%" in u0.get_title() and "GPU busy 88%" in u1.get_title()
+    assert u0.get_shared_y_axes().joined(u0, u1) and w0.get_shared_x_axes().joined(w0, u0)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_cpu_run_prints_the_table_and_draws_the_waits(tmp_path):
+    png = tmp_path / "gpu.png"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"), "--cpu-ok", "--steps", "4", "--batch", "8",
+         "--size", "16", "--workers", "2", "--arm-timeout", "170", "--plot", str(png)],
+        capture_output=True, text=True, timeout=380, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "kpipe ProcessLoader (2 workers)" in proc.stdout and f"wrote {png}" in proc.stdout
+    assert png_size(png) == (1080, 520)
