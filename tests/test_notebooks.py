@@ -43,7 +43,7 @@ def test_notebook_runs_top_to_bottom_in_a_kernel(path, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     nb = nbformat.read(path, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import json, sys\nprint(json.dumps(sys.executable))"))
-    client = NotebookClient(nb, kernel_name="python3", timeout=360, resources={"metadata": {"path": str(tmp_path)}})
+    client = NotebookClient(nb, kernel_name="python3", timeout=360, startup_timeout=180, resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
     printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
     assert os.path.realpath(json.loads(printed)) == os.path.realpath(sys.executable)
@@ -82,7 +82,7 @@ def test_rerunning_a_fit_cell_leaves_no_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     cells = [_RERUN_SETUP] + [_RERUN_CELL] * 10 + [_COUNT_CELL]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    client = NotebookClient(nb, kernel_name="python3", timeout=240, resources={"metadata": {"path": str(tmp_path)}})
+    client = NotebookClient(nb, kernel_name="python3", timeout=240, startup_timeout=180, resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
     printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
     assert int(printed) == 0, f"{printed.strip()} processes left after 10 runs of a fit cell"
