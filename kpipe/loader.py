@@ -286,7 +286,7 @@ class ProcessLoader(keras.utils.PyDataset):
         epoch = _check_int("epoch", epoch, 0, "")
         with self._lock:
             if self._cursor.head != (epoch, 0):
-                self._jump(epoch, 0, self._dataset_lengths[max(self._dataset_lengths)])
+                self._jump(epoch, 0, self._dataset_length())
 
     def state(self):
         """Where this loader stands, as a small JSON-serialisable dict.
@@ -454,7 +454,7 @@ class ProcessLoader(keras.utils.PyDataset):
             "format": STATE_FORMAT,
             "pass": int(key[0]),
             "position": int(key[1]),
-            "num_batches": self._dataset_lengths.get(key[0], self._dataset_lengths[max(self._dataset_lengths)]),
+            "num_batches": self._dataset_length(key[0]),
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_shards": self.num_shards,
@@ -483,7 +483,7 @@ class ProcessLoader(keras.utils.PyDataset):
                     f"{name}={want!r}. Restore it into a loader built with the same {name}."
                 )
         saved_n = state.get("num_batches")
-        current_n = self._dataset_lengths[max(self._dataset_lengths)]
+        current_n = self._dataset_length()
         if not self._stateful and saved_n != current_n:
             raise ValueError(
                 f"The state was saved for a dataset of {saved_n} batches, but `{self._name}` has {current_n}: "
@@ -598,7 +598,7 @@ class ProcessLoader(keras.utils.PyDataset):
             self._queue.move_to_end(k)
 
     def _submit(self, key):
-        index = self._planner.index(key[0], key[1], self._dataset_lengths.get(key[0], self._dataset_lengths[max(self._dataset_lengths)]))
+        index = self._planner.index(key[0], key[1], self._dataset_length(key[0]))
         self._stats["loads"] += 1
         return _Entry(index, self._backend.submit(index, seed=_wi.batch_seed(self.seed, key[0], key[1])))
 
@@ -644,7 +644,7 @@ class ProcessLoader(keras.utils.PyDataset):
         head = self._cursor.head
         for k in [k for k in self._queue if k < head]:
             self._drop(k)
-        n = self._dataset_lengths[max(self._dataset_lengths)]
+        n = self._dataset_length()
         if self._stateful:
             try:
                 if hasattr(self.dataset, "on_epoch_end"):
@@ -670,6 +670,11 @@ class ProcessLoader(keras.utils.PyDataset):
         self._cursor.set_length(pass_, self._planner.length(num_batches))
         self._cursor.jump(pass_, position)
         self._fill()
+
+    def _dataset_length(self, pass_=None):
+        """The dataset's own len() at pass `pass_` (the newest known when not recorded)."""
+        lengths = self._dataset_lengths
+        return lengths.get(pass_, lengths[max(lengths)]) if pass_ is not None else lengths[max(lengths)]
 
     def _raise_deferred(self):
         exc, self._deferred = self._deferred, None
