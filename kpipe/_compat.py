@@ -26,7 +26,9 @@ range; every version test about them lives in this module:
             under MultiWorkerMirroredStrategy. `BackupAndRestore` has no
             `double_checkpoint` argument.
     >= 3.7  `train_function` also takes a Python iterable of batches (as
-            `train_on_batch` passes it); `EpochIterator.reset()` restarts a finite
+            `train_on_batch` passes it), so kpipe's epoch iterator hands a
+            ProcessLoader over through `kpipe._feed.Feed` (before 3.7, through the
+            adapter's `tf.data.Dataset.from_generator`); `EpochIterator.reset()` restarts a finite
             dataset after each pass; `steps_per_execution=k` is a `tf.while_loop` over
             `get_next_as_optional`, which fails under MultiWorkerMirroredStrategy
             (kpipe's strategy raises a clear error instead).
@@ -69,7 +71,7 @@ _REQUIRED = {"tensorflow": MIN_TENSORFLOW, "keras": MIN_KERAS}
 _SKIP_ENV = "KPIPE_SKIP_VERSION_CHECK"
 
 # Keras versions from which a Keras behaviour kpipe adapts to exists.
-_KERAS_ITERABLE_TRAIN_FUNCTION = (3, 7)  # train_function takes a list of batches; reset()
+KERAS_ITERABLE_TRAIN_FUNCTION = (3, 7)  # train_function takes a list of batches; reset()
 # For kpipe's Keras hook (kpipe/_keras_hook.py, kpipe/loader.py): EpochIterator.reset(),
 # _enumerate_iterator(), __iter__/__next__ and _interrupted_warning() exist from 3.7 (before:
 # enumerate_epoch() only, and fit() calls no reset); _enumerate_iterator() yields
@@ -268,7 +270,7 @@ def train_step_on_batches(model, train_function):
     `strategy.run` with the same `jit_compile`, reduced with Keras's own
     `reduce_per_replica(..., "auto")`, as one `tf.function` of a batch.
     """
-    if keras_at_least(_KERAS_ITERABLE_TRAIN_FUNCTION):
+    if keras_at_least(KERAS_ITERABLE_TRAIN_FUNCTION):
         return train_function
     cached = getattr(model, "_kpipe_step_on_batches", None)
     if cached is not None and cached[0] is train_function:
@@ -319,13 +321,13 @@ def finite_steps_per_epoch(steps_per_epoch, num_batches, epochs, initial_epoch=0
         RuntimeError: on Keras < 3.7 when the epochs need more than one pass of a
             dataset whose `steps_per_epoch` is not its length.
     """
-    if steps_per_epoch is None or num_batches is None or keras_at_least(_KERAS_ITERABLE_TRAIN_FUNCTION):
+    if steps_per_epoch is None or num_batches is None or keras_at_least(KERAS_ITERABLE_TRAIN_FUNCTION):
         return steps_per_epoch
     if steps_per_epoch == num_batches:
         return None
     if steps_per_epoch * (epochs - initial_epoch) > num_batches:
         require_keras(
-            _KERAS_ITERABLE_TRAIN_FUNCTION,
+            KERAS_ITERABLE_TRAIN_FUNCTION,
             f"steps_per_epoch={steps_per_epoch} over {epochs - initial_epoch} epochs of a dataset "
             f"of {num_batches} batches (Keras restarting a finite dataset after each pass)",
             fix=f", or pass steps_per_epoch={num_batches} (one pass per epoch) or None",

@@ -48,6 +48,7 @@ def install():
         return
     data_adapters.PyDatasetAdapter = _make_adapter(base)
     _wrap_symbolic_build()
+    _install_feed()
     from kpipe import _compat
 
     _compat.install_keras_fixes()  # a user's own strategy with a ProcessLoader gets them too
@@ -98,6 +99,16 @@ def _make_adapter(base):
             if self._kpipe_loader is None:
                 return super().on_epoch_end()
 
+        def _kpipe_feed(self, strategy):
+            """The iterator kpipe's epoch iterator gives Keras for one stream (see the
+            NOTE in kpipe/_feed.py), or None for other datasets."""
+            if self._kpipe_loader is None:
+                return None
+            from kpipe._feed import Feed
+
+            self._loader()  # a clear error when the loader is gone
+            return Feed(self._kpipe_loader, self._standardize_batch, strategy)
+
         @contextlib.contextmanager
         def _kpipe_probe(self):
             loader = self._loader()
@@ -126,6 +137,37 @@ def _make_adapter(base):
             return mark_presharded(ds) if loader.num_shards > 1 else ds
 
     return PyDatasetAdapter
+
+
+def _install_feed():
+    """From Keras 3.7 the TensorFlow trainer's step functions take any Python iterator of
+    batches: a ProcessLoader is read through a `kpipe._feed.Feed` instead of
+    `tf.data.Dataset.from_generator` (see the NOTE in kpipe/_feed.py). Before 3.7 the
+    step function calls `next()` on a `tf.data` iterator inside its graph, and loaders go
+    through the adapter's `get_tf_dataset()`."""
+    from kpipe import _compat
+
+    if not _compat.keras_at_least(_compat.KERAS_ITERABLE_TRAIN_FUNCTION):
+        return
+    try:
+        from keras.src.backend.tensorflow import trainer
+    except ImportError:
+        return
+    base = trainer.TFEpochIterator
+    if getattr(base, "_kpipe_feeds", False):
+        return
+
+    class TFEpochIterator(base):
+        _kpipe_feeds = True
+
+        def _get_iterator(self):
+            feed = getattr(self.data_adapter, "_kpipe_feed", None)
+            feed = feed(self._distribute_strategy) if feed is not None else None
+            return super()._get_iterator() if feed is None else feed
+
+    TFEpochIterator.__qualname__ = base.__qualname__
+    TFEpochIterator.__module__ = base.__module__
+    trainer.TFEpochIterator = TFEpochIterator
 
 
 def _wrap_symbolic_build():

@@ -440,6 +440,10 @@ class ProcessLoader(keras.utils.PyDataset):
         with self._lock:
             self._cursor.end_probe()
 
+    def _probing(self):
+        with self._lock:
+            return self._cursor.probing
+
     def _probe_may_load(self, key):
         """A probe reads at most a queue's worth past the head (Keras needs one batch)."""
         return self._cursor.walk(self._cursor.head, self.max_queue_size) > key

@@ -31,13 +31,28 @@ def memfd_count():
     return n
 
 
+def feed_threads(wait_s=3.0):
+    """kpipe feed threads still running after up to `wait_s` seconds (they stop within
+    a poll interval once their stream, feed or loader is gone)."""
+    import threading
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [t for t in threading.enumerate() if t.name == "kpipe-feed" and t.is_alive()]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
 def shm_entries():
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
 @pytest.fixture
 def no_leaks():
-    """Asserts the test leaves no child process, memfd segment or /dev/shm entry behind."""
+    """Asserts the test leaves no child process, memfd segment, /dev/shm entry or feed
+    thread behind."""
     before_children = {p.pid for p in kpipe_children()}
     before_shm = shm_entries()
     before_fd = memfd_count()
@@ -47,3 +62,4 @@ def no_leaks():
     assert not left, f"leaked processes: {left}"
     assert shm_entries() - before_shm == set()
     assert memfd_count() <= before_fd
+    assert not feed_threads(), "a kpipe feed thread outlived the test"

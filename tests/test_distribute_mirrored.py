@@ -1,5 +1,6 @@
 """MirroredStrategy over 2 logical CPU devices, chosen by `kpipe.distribute.auto_strategy`, in a
-fresh process: `kpipe.ProcessLoader` input with `class_weight` trains exactly like one device."""
+fresh process: `kpipe.ProcessLoader` input with `class_weight` trains exactly like one device, and
+batches whose rows do not divide evenly are split over the replicas as tf.data splits them."""
 
 import json
 import os
@@ -28,3 +29,11 @@ def test_two_logical_cpus_train_like_one_device(tmp_path, no_leaks):
     assert all(np.isfinite(result["loss_2_devices"]))
     np.testing.assert_allclose(result["loss_2_devices"], result["loss_1_device"], rtol=1e-5)
     assert result["max_weight_diff"] < 1e-5
+    # A batch of 5 rows is split over the 2 replicas exactly as tf.data splits it.
+    np.testing.assert_allclose(result["loss_loader_odd"], result["loss_tfdata_odd"], rtol=1e-6)
+    placement = result["placement"]
+    if placement:  # Keras >= 3.7: kpipe's feed (kpipe/_feed.py) places each replica's rows
+        assert [p["device"].split("/")[-1] for p in placement] == ["device:CPU:0", "device:CPU:1"]
+        assert [p["y_device"] for p in placement] == [p["device"] for p in placement]
+        np.testing.assert_allclose(placement[0]["x"] + placement[1]["x"], result["x_last_batch"])
+        assert [len(p["x"]) for p in placement] == [3, 2]

@@ -4,7 +4,10 @@ Must run in a fresh process: the logical devices are configured before TensorFlo
 initialises. Trains the same model from the same weights twice -- under
 `kpipe.distribute.auto_strategy(devices=[cpu:0, cpu:1])` and without a strategy -- on
 `kpipe.ProcessLoader` input with `class_weight`, and writes both loss histories, the final
-weights' largest difference and the replica count to OUT.json.
+weights' largest difference and the replica count to OUT.json. Then, under the same
+strategy, 35 samples in batches of 6 (the last, of 5 rows, split 3 + 2 over the
+replicas): the losses of a ProcessLoader against the same batches from tf.data, and where
+the loader's last batch is placed (device and rows of each replica's part).
 """
 
 import json
@@ -16,6 +19,13 @@ import numpy as np
 from mw_train import ContiguousBatches  # TF-free; workers import it from this folder
 
 N_SAMPLES, BATCH = 64, 16
+
+
+class WithLastPartial(ContiguousBatches):
+    """ContiguousBatches plus the last, smaller batch."""
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
 
 
 def main(argv=None):
@@ -49,10 +59,35 @@ def main(argv=None):
     loss_2, weights_2 = run(mirrored)
     loss_1, weights_1 = run(tf.distribute.get_strategy())
     diff = max(float(np.abs(a - b).max()) for a, b in zip(weights_1, weights_2))
+
+    def odd_batches(data):
+        with mirrored.scope():
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(data, epochs=2, verbose=0, shuffle=False).history["loss"]
+
+    xo, yo = x[:35], y[:35]
+    with kpipe.ProcessLoader(WithLastPartial(xo, yo, 6), workers=1) as loader:
+        loss_loader_odd = odd_batches(loader)
+        placement = []
+        from keras.src.trainers import data_adapters
+
+        feed = getattr(data_adapters.get_data_adapter(loader), "_kpipe_feed", None)
+        if feed is not None and kpipe._compat.keras_at_least(kpipe._compat.KERAS_ITERABLE_TRAIN_FUNCTION):
+            *_, batch = feed(mirrored)
+            for part_x, part_y in zip(mirrored.experimental_local_results(batch[0]),
+                                      mirrored.experimental_local_results(batch[1])):
+                placement.append({"device": part_x.device, "x": part_x.numpy().tolist(),
+                                  "y_device": part_y.device})
+            del batch
+    loss_tfdata_odd = odd_batches(tf.data.Dataset.from_tensor_slices((xo, yo)).batch(6))
     with open(out, "w") as f:
         json.dump({"replicas": mirrored.num_replicas_in_sync,
                    "strategy": type(mirrored).__name__, "loss_2_devices": loss_2,
-                   "loss_1_device": loss_1, "max_weight_diff": diff}, f)
+                   "loss_1_device": loss_1, "max_weight_diff": diff,
+                   "loss_loader_odd": loss_loader_odd, "loss_tfdata_odd": loss_tfdata_odd,
+                   "placement": placement, "x_last_batch": xo[30:].tolist()}, f)
     return 0
 
 
