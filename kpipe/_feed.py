@@ -23,8 +23,9 @@ made from it lives, while the loader moves on. Other arrays are copied
 
 Devices: with one replica on this worker (no strategy, `OneDeviceStrategy`,
 `MultiWorkerMirroredStrategy` with one device per worker) the batch is given whole, as
-`tf.data` would; when that replica's device is not a CPU, the thread copies the batch to
-it ahead of the step (what `prefetch_to_device` does for `tf.data`), so the step starts
+`tf.data` would; when that replica's device is not the host's CPU (an accelerator, or a
+logical CPU device other than the first), the thread copies the batch to it ahead of the
+step (what `prefetch_to_device` does for `tf.data`), so the step starts
 with its input on the accelerator. With several local replicas (`MirroredStrategy`),
 the batch is split along its first axis into contiguous, near-equal parts (as
 `tf.data`'s rebatching does), each copied to its replica's device, and handed over as
@@ -85,7 +86,7 @@ class _Placement:
         self.strategy = strategy
         self.devices = devices
         self.split = len(devices) > 1
-        self.copy_to = devices[0] if len(devices) == 1 and not _is_cpu(devices[0]) else None
+        self.copy_to = devices[0] if len(devices) == 1 and not _is_host(devices[0]) else None
 
     def __call__(self, data, whole=False):
         """`data` as tensors: whole (also when `whole`: a probe only needs shapes, and
@@ -150,10 +151,12 @@ def _default_device():
     return gpus[0].name if gpus else "/device:CPU:0"
 
 
-def _is_cpu(device):
+def _is_host(device):
+    """Whether `device` is the host's first CPU, where the batches already are."""
     import tensorflow as tf
 
-    return (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
+    spec = tf.DeviceSpec.from_string(device)
+    return (spec.device_type or "CPU").upper() == "CPU" and (spec.device_index or 0) == 0
 
 
 class Feed:

@@ -340,7 +340,7 @@ class ProcessLoader(keras.utils.PyDataset):
                 out["auto_decisions"] = list(self._auto_decisions)
             return out
 
-    def as_dataset(self, *, prefetch=2):
+    def as_dataset(self, *, prefetch=2, device=None):
         """A `tf.data.Dataset` yielding the rest of the current pass per iteration.
 
         Each iteration of the dataset reads from the first batch not consumed yet to the
@@ -355,12 +355,22 @@ class ProcessLoader(keras.utils.PyDataset):
 
         Args:
             prefetch: Batches tf.data converts ahead. Defaults to 2.
+            device: A device name (`"/gpu:0"`) to copy batches to ahead of their use
+                (`tf.data.experimental.prefetch_to_device`, `prefetch` batches deep):
+                the step then finds its input on the accelerator. Must be the last
+                stage: add nothing after it. Defaults to None (batches stay on the
+                host; `fit()` copies them, and under a strategy the strategy does).
 
         Returns:
             A `tf.data.Dataset`.
+
+        Raises:
+            ValueError: `device` names no device TensorFlow has.
         """
         import tensorflow as tf
 
+        if device is not None:
+            device = _check_device(device)
         signature = self._signature()
         ref = weakref.ref(self)
         finite = self.num_batches is not None
@@ -372,7 +382,10 @@ class ProcessLoader(keras.utils.PyDataset):
         ds = tf.data.Dataset.from_generator(generate, output_signature=signature)
         if finite and not self._stateful and self._cursor.head[1] == 0:
             ds = ds.apply(tf.data.experimental.assert_cardinality(self.num_batches))
-        ds = ds.prefetch(prefetch)
+        if device is None:
+            ds = ds.prefetch(prefetch)
+        else:
+            ds = ds.apply(tf.data.experimental.prefetch_to_device(device, buffer_size=prefetch))
         if self.num_shards > 1:  # already this worker's share: no second split by tf.data
             from kpipe.distribute import mark_presharded
 
@@ -854,6 +867,27 @@ def _keep_alive(ds, loader):
         ds._kpipe_loader = loader
     except AttributeError:  # pragma: no cover - a tf.data object without a __dict__
         pass
+
+
+def _check_device(device):
+    """`device` as TensorFlow's canonical name, or a ValueError listing the devices."""
+    import tensorflow as tf
+
+    names = [d.name for d in tf.config.list_logical_devices()]
+    try:
+        spec = tf.DeviceSpec.from_string(device) if isinstance(device, str) else None
+    except (ValueError, TypeError):
+        spec = None
+    if spec is not None and spec.device_type is not None:
+        for name in names:
+            other = tf.DeviceSpec.from_string(name)
+            if other.device_type == spec.device_type.upper() and other.device_index == (spec.device_index or 0):
+                return name
+    raise ValueError(
+        f"`device` must name a device of this process. Received: device={device!r}. "
+        f"Available: {', '.join(names)}. Pass one of them (e.g. '/gpu:0'), or device=None to leave "
+        "batches on the host."
+    )
 
 
 def _check_timeout(timeout):

@@ -4,7 +4,12 @@ Trains the same ResNet-style network for a fixed number of steps twice, each arm
 own Python process (a fresh TensorFlow, and a hang in one arm cannot stall the other):
 
   (a) `keras`: the dataset as a `keras.utils.PyDataset(workers=W, use_multiprocessing=True)`;
-  (b) `kpipe`: the same dataset in `kpipe.ProcessLoader(dataset, workers=W)`.
+  (b) `kpipe`: the same dataset in `kpipe.ProcessLoader(dataset, workers=W)`, given to
+      `fit()` (kpipe's feed: batches converted, and copied to the GPU, ahead of the step);
+  (c) `kpipe-dataset`: the loader's `as_dataset()`, batches left on the host;
+  (d) `kpipe-dataset-device`: `as_dataset(device=<first GPU>)`, copied to the GPU ahead
+      (`prefetch_to_device`). (c) against (d) is the accelerator path without and with
+      the device prefetch; `--arms` picks a subset.
 
 The dataset makes batches the way image pipelines do: uint8 "decoded" images, then per
 image a random crop, flip, colour jitter and conversion to float32 in NumPy. While each arm
@@ -33,6 +38,7 @@ import time
 import numpy as np
 
 _SMI_PERIOD_MS = 100
+_ARMS = ("keras", "kpipe", "kpipe-dataset", "kpipe-dataset-device")
 
 
 class Images:
@@ -114,7 +120,13 @@ def run_arm(args):
         model.fit(keras_images, epochs=2, verbose=0, callbacks=[profiler, clock])
     else:
         with kpipe.ProcessLoader(dataset, workers=args.workers, max_queue_size=2 * args.workers) as loader:
-            model.fit(loader, epochs=2, verbose=0, callbacks=[profiler, clock])
+            data = loader
+            if args.arm == "kpipe-dataset":
+                data = loader.as_dataset()
+            elif args.arm == "kpipe-dataset-device":
+                gpus = tf.config.list_logical_devices("GPU")
+                data = loader.as_dataset(device=gpus[0].name if gpus else "/cpu:0")
+            model.fit(data, epochs=2, verbose=0, callbacks=[profiler, clock])
     timed = profiler.epochs[-1]
     steps = profiler.steps
     rows = (steps.epoch == timed["epoch"]) & steps.counted
@@ -233,10 +245,14 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="PNG", default="gpu_check.png",
                         help="draw GPU utilisation and input wait over time for both arms (needs matplotlib). "
                              "Defaults to gpu_check.png; '' draws nothing.")
-    parser.add_argument("--arm", choices=("keras", "kpipe"), help=argparse.SUPPRESS)
+    parser.add_argument("--arms", default=",".join(_ARMS), help=f"comma-separated subset of {','.join(_ARMS)}. Defaults to all.")
+    parser.add_argument("--arm", choices=_ARMS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.arm:
         return run_arm(args)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or any(a not in _ARMS for a in arms):
+        parser.error(f"--arms takes a comma-separated subset of {','.join(_ARMS)}. Received: {args.arms}")
     have_smi = subprocess.run(["sh", "-c", "command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null"]).returncode == 0
     if not have_smi and not args.cpu_ok:
         print("gpu_check: no NVIDIA GPU (nvidia-smi missing or failing); nothing to check.")
@@ -244,7 +260,7 @@ def main(argv=None) -> int:
     sampler = _SmiSampler() if have_smi else None
     results = []
     try:
-        for arm in ("keras", "kpipe"):
+        for arm in arms:
             print(f"gpu_check: running arm {arm} ({args.steps} steps x 2 epochs, batch {args.batch}, {args.size}px, {args.workers} workers)...", flush=True)
             result = _launch_arm(arm, args)
             if sampler and "error" not in result:
@@ -254,7 +270,8 @@ def main(argv=None) -> int:
     finally:
         if sampler:
             sampler.close()
-    names = {"keras": f"keras PyDataset (multiprocessing, {args.workers} workers)", "kpipe": f"kpipe ProcessLoader ({args.workers} workers)"}
+    names = {"keras": f"keras PyDataset (multiprocessing, {args.workers} workers)", "kpipe": f"kpipe ProcessLoader ({args.workers} workers)",
+             "kpipe-dataset": "kpipe as_dataset(), batches on the host", "kpipe-dataset-device": "kpipe as_dataset(device=GPU)"}
     print(f"\n{'input fed by':<46}{'GPU busy':>9}{'samples/s':>11}{'input wait':>12}")
     for r in results:
         if "error" in r:
@@ -263,8 +280,10 @@ def main(argv=None) -> int:
         busy = f"{r['gpu_busy_pct']:.0f}%" if r.get("gpu_busy_pct") is not None else "n/a"
         print(f"{names[r['arm']]:<46}{busy:>9}{r['samples_per_sec']:>11.0f}{r['input_wait_share']:>12.0%}")
     ok = [r for r in results if "error" not in r]
-    if len(ok) == 2:
-        print(f"kpipe / keras samples/s: {ok[1]['samples_per_sec'] / ok[0]['samples_per_sec']:.2f}x")
+    base = next((r for r in ok if r["arm"] == "keras"), None)
+    for r in ok:
+        if base is not None and r is not base:
+            print(f"{r['arm']} / keras samples/s: {r['samples_per_sec'] / base['samples_per_sec']:.2f}x")
     if args.plot and ok:
         try:
             plot_utilisation(results, names, args.plot)
@@ -274,7 +293,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "arm"}, "results": results}, f, indent=2)
-    return 0 if any(r["arm"] == "kpipe" and "error" not in r for r in results) else 1
+    return 0 if any(r["arm"].startswith("kpipe") and "error" not in r for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -37,3 +37,8 @@ def test_two_logical_cpus_train_like_one_device(tmp_path, no_leaks):
         assert [p["y_device"] for p in placement] == [p["device"] for p in placement]
         np.testing.assert_allclose(placement[0]["x"] + placement[1]["x"], result["x_last_batch"])
         assert [len(p["x"]) for p in placement] == [3, 2]
+    # One replica on the second device: the same training; batches copied there ahead.
+    np.testing.assert_allclose(result["loss_one_device_cpu1"], result["loss_1_device"], rtol=1e-5)
+    assert all(d.endswith("device:CPU:1") for d in result["as_dataset_on"])
+    if result["fed_on"] is not None:
+        assert all(d.endswith("device:CPU:1") for d in result["fed_on"])

@@ -147,3 +147,12 @@ def test_split_rows_gives_contiguous_near_equal_parts_larger_first():
     assert [p.tolist() for p in _feed._split_rows(a, 2)] == [[0, 1, 2], [3, 4]]
     assert [p.tolist() for p in _feed._split_rows(np.arange(7), 3)] == [[0, 1, 2], [3, 4], [5, 6]]
     assert [p.tolist() for p in _feed._split_rows(np.arange(1), 2)] == [[0], []]
+
+
+def test_as_dataset_device_must_name_a_device_of_this_process(no_leaks):
+    with kpipe.ProcessLoader(Images(n=2), workers=0) as loader:
+        for bad in ("/gpu:7", "banana", 3):
+            with pytest.raises(ValueError, match=r"`device` must name a device of this process\. Received: device="):
+                loader.as_dataset(device=bad)
+        x, y = next(iter(loader.as_dataset(device="/cpu:0")))
+        assert x.device.endswith("device:CPU:0") and int(y[0]) == 0

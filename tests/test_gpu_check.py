@@ -57,9 +57,11 @@ def test_cpu_run_prints_the_table_and_draws_the_waits(tmp_path):
     png = tmp_path / "gpu.png"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"), "--cpu-ok", "--steps", "4", "--batch", "8",
-         "--size", "16", "--workers", "2", "--arm-timeout", "170", "--plot", str(png)],
+         "--size", "16", "--workers", "2", "--arm-timeout", "170", "--plot", str(png),
+         "--arms", "keras,kpipe,kpipe-dataset-device"],
         capture_output=True, text=True, timeout=380, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "kpipe ProcessLoader (2 workers)" in proc.stdout and f"wrote {png}" in proc.stdout
-    assert png_size(png) == (1080, 520)
+    assert "kpipe as_dataset(device=GPU)" in proc.stdout and "kpipe-dataset-device / keras samples/s" in proc.stdout
+    assert png_size(png) == (1620, 520)  # one column per arm

@@ -7,7 +7,9 @@ initialises. Trains the same model from the same weights twice -- under
 weights' largest difference and the replica count to OUT.json. Then, under the same
 strategy, 35 samples in batches of 6 (the last, of 5 rows, split 3 + 2 over the
 replicas): the losses of a ProcessLoader against the same batches from tf.data, and where
-the loader's last batch is placed (device and rows of each replica's part).
+the loader's last batch is placed (device and rows of each replica's part). Last, under
+`OneDeviceStrategy("/cpu:1")`: the losses, and the device of the batches the feed and
+`as_dataset(device="/cpu:1")` give.
 """
 
 import json
@@ -82,12 +84,30 @@ def main(argv=None):
                                   "y_device": part_y.device})
             del batch
     loss_tfdata_odd = odd_batches(tf.data.Dataset.from_tensor_slices((xo, yo)).batch(6))
+
+    # One replica on the second device: batches are copied there ahead of the step.
+    one = tf.distribute.OneDeviceStrategy("/cpu:1")
+    with kpipe.ProcessLoader(ContiguousBatches(x, y, BATCH), workers=1) as loader:
+        with one.scope():
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                      keras.layers.Dense(2)])
+            model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        loss_one_device = model.fit(loader, epochs=3, verbose=0, shuffle=False,
+                                    class_weight={0: 3.0, 1: 1.0}).history["loss"]
+        feed = getattr(data_adapters.get_data_adapter(loader), "_kpipe_feed", None)
+        fed_on = None
+        if feed is not None and kpipe._compat.keras_at_least(kpipe._compat.KERAS_ITERABLE_TRAIN_FUNCTION):
+            fed_on = [t.device for t in next(feed(one))]
+        as_dataset_on = [t.device for t in next(iter(loader.as_dataset(device="/cpu:1")))]
     with open(out, "w") as f:
         json.dump({"replicas": mirrored.num_replicas_in_sync,
                    "strategy": type(mirrored).__name__, "loss_2_devices": loss_2,
                    "loss_1_device": loss_1, "max_weight_diff": diff,
                    "loss_loader_odd": loss_loader_odd, "loss_tfdata_odd": loss_tfdata_odd,
-                   "placement": placement, "x_last_batch": xo[30:].tolist()}, f)
+                   "placement": placement, "x_last_batch": xo[30:].tolist(),
+                   "loss_one_device_cpu1": loss_one_device, "fed_on": fed_on, "as_dataset_on": as_dataset_on}, f)
     return 0
 
 
