@@ -15,19 +15,24 @@ Rows (each one `fit(epochs=1 + --epochs)`; the best epoch after the first counts
   tf.data              tf.data.Dataset.from_tensor_slices(...).batch(...).prefetch(AUTOTUNE)
                        (the 1.00 reference)
   PyDataset            a plain keras.utils.PyDataset returning views of the arrays
-  kpipe                kpipe.ProcessLoader(dataset, workers=--workers)
+  kpipe                kpipe.ProcessLoader(dataset, workers=--workers) (kpipe's feed: a
+                       thread converts batches to tensors ahead of the step, Keras >= 3.7)
+  kpipe from_generator the same loader handed over as before the feed: Keras's adapter
+                       and tf.data.Dataset.from_generator (the "before" of the feed)
   kpipe.as_dataset     the same loader's .as_dataset()
   kpipe auto           kpipe.ProcessLoader(dataset, workers="auto")
   keras-mp             the PyDataset with workers=--workers, use_multiprocessing=True
 
-Then a per-batch breakdown of the main process's time on the kpipe paths (`fit(loader)`
-and `fit(loader.as_dataset())`), from `time.perf_counter` wrappers around the loader's
-calls: time in the loader per batch (`_stream_next`, the read Keras's adapter and
-`as_dataset()` make), of it the wait for the worker's message (`_pump`), building the
-batch's arrays over the shared slot (`get` minus `_pump`), submitting the next task
-(`submit`) and the loader's own bookkeeping; then Keras's `_standardize_batch`; the rest
-of the step is TensorFlow's (`from_generator`'s conversion, tf.data, the train step).
-The loader runs in a tf.data thread, so its time overlaps the training step.
+Then a per-batch breakdown of the kpipe paths -- `fit(loader)` through the feed and
+through `from_generator`, and `fit(loader.as_dataset())` -- from `time.perf_counter`
+wrappers: time in the loader per batch (`_stream_next`), of it the wait for the worker's
+message (`_pump`), building the batch's arrays over the shared slot (`get` minus
+`_pump`), submitting the next task (`submit`) and the loader's own bookkeeping; Keras's
+`_standardize_batch`; the feed's tensor conversion (`to_tensor`); on the feed path, the
+main thread's wait for the next ready batch (`Feed.__next__`). The loader, the
+standardization and the conversion run in a thread (tf.data's or the feed's) and overlap
+the training step; "rest" is the step minus the feed's `next` (feed path) or minus the
+loader and standardization (other paths): TensorFlow's part, and Keras's.
 
     python scripts/bench_feed.py                       # both sizes, all rows
     python scripts/bench_feed.py --sizes 1.5MB --epochs 6 --json feed.json
@@ -53,7 +58,7 @@ import kpipe  # noqa: E402
 
 _SIZES = {"1.5MB": (128, 64, 64, 3), "9.6MB": (64, 224, 224, 3)}
 _SMALL_SIZES = {"1.5MB": (16, 16, 16, 3), "9.6MB": (8, 32, 32, 3)}
-_ROWS = ("tf.data", "PyDataset", "kpipe", "kpipe.as_dataset", "kpipe auto", "keras-mp")
+_ROWS = ("tf.data", "PyDataset", "kpipe", "kpipe from_generator", "kpipe.as_dataset", "kpipe auto", "keras-mp")
 
 
 class Batches(keras.utils.PyDataset):
@@ -127,9 +132,27 @@ def make_input(row, x, y, steps, workers):
     else:
         loader = kpipe.ProcessLoader(Batches(x, y, steps), workers="auto" if row == "kpipe auto" else workers)
         try:
-            yield (loader.as_dataset() if row == "kpipe.as_dataset" else loader), loader
+            with without_feed(row == "kpipe from_generator"):
+                yield (loader.as_dataset() if row == "kpipe.as_dataset" else loader), loader
         finally:
             loader.close()
+
+
+@contextlib.contextmanager
+def without_feed(active=True):
+    """Hands ProcessLoaders to Keras through from_generator, as before kpipe's feed."""
+    from keras.src.trainers import data_adapters
+
+    adapter = data_adapters.PyDatasetAdapter
+    if not active or not hasattr(adapter, "_kpipe_feed"):
+        yield
+        return
+    original = adapter._kpipe_feed
+    adapter._kpipe_feed = lambda self, strategy: None
+    try:
+        yield
+    finally:
+        adapter._kpipe_feed = original
 
 
 def fit_rate(model, data, epochs):
@@ -168,14 +191,19 @@ class _Clock:
             self.total[k], self.calls[k] = 0.0, 0
 
 
-def breakdown(model, x, y, steps, epochs, workers, as_dataset):
-    """Per-batch microseconds of the kpipe path's main-process work (see the docstring)."""
+def breakdown(model, x, y, steps, epochs, workers, path):
+    """Per-batch microseconds of a kpipe path's work (see the docstring); `path` is
+    "feed", "from_generator" or "as_dataset"."""
     from keras.src.trainers import data_adapters
+
+    from kpipe import _feed
 
     clock = _Clock()
     adapter_cls = data_adapters.PyDatasetAdapter
-    original = adapter_cls._standardize_batch
-    adapter_cls._standardize_batch = clock.wrap("standardize", original)
+    patched = [(adapter_cls, "_standardize_batch"), (_feed, "to_tensor"), (_feed.Feed, "__next__")]
+    originals = [getattr(owner, name) for owner, name in patched]
+    for (owner, name), fn in zip(patched, originals):
+        setattr(owner, name, clock.wrap(name, fn))
     loader = kpipe.ProcessLoader(Batches(x, y, steps), workers=workers)
     try:
         loader._stream_next = clock.wrap("loader", loader._stream_next)
@@ -183,7 +211,7 @@ def breakdown(model, x, y, steps, epochs, workers, as_dataset):
         backend.get = clock.wrap("get", backend.get)
         backend.submit = clock.wrap("submit", backend.submit)
         backend._pump = clock.wrap("pump", backend._pump)
-        data = loader.as_dataset() if as_dataset else loader
+        data = loader.as_dataset() if path == "as_dataset" else loader
         timer = EpochTimer()
 
         class Reset(keras.callbacks.Callback):  # count the timed epochs only
@@ -197,17 +225,22 @@ def breakdown(model, x, y, steps, epochs, workers, as_dataset):
                 epochs_seen.append(per)
 
         epochs_seen = []
-        model.fit(data, epochs=1 + epochs, verbose=0, callbacks=[timer, Reset()])
+        with without_feed(path == "from_generator"):
+            model.fit(data, epochs=1 + epochs, verbose=0, callbacks=[timer, Reset()])
     finally:
-        adapter_cls._standardize_batch = original
+        for (owner, name), fn in zip(patched, originals):
+            setattr(owner, name, fn)
         loader.close()
     rates = [s / t for s, t in timer.epochs]
     best = max(range(1, len(rates)), key=rates.__getitem__) if len(rates) > 1 else 0
     per, rate = epochs_seen[best], rates[best]
     n = max(1, per["batches"])
-    us = {k: 1e6 * per[k] / n for k in ("loader", "get", "submit", "pump", "standardize")}
+    us = {k: 1e6 * per[k] / n for k in ("loader", "get", "submit", "pump", "_standardize_batch", "to_tensor", "__next__")}
+    feed = path == "feed"
+    main = us["__next__"] if feed else us["loader"] + us["_standardize_batch"]
     return {
-        "path": "fit(loader.as_dataset())" if as_dataset else "fit(loader)",
+        "path": {"feed": "fit(loader)", "from_generator": "fit(loader) from_generator",
+                 "as_dataset": "fit(loader.as_dataset())"}[path],
         "steps_per_s": rate,
         "step_us": 1e6 / rate,
         "loader_us": us["loader"],
@@ -215,8 +248,10 @@ def breakdown(model, x, y, steps, epochs, workers, as_dataset):
         "arrays_us": us["get"] - us["pump"],
         "submit_us": us["submit"],
         "bookkeeping_us": us["loader"] - us["get"] - us["submit"],
-        "standardize_us": 0.0 if as_dataset else us["standardize"],
-        "rest_us": 1e6 / rate - us["loader"] - (0.0 if as_dataset else us["standardize"]),
+        "standardize_us": us["_standardize_batch"],
+        "convert_us": us["to_tensor"],
+        "feed_next_us": us["__next__"] if feed else 0.0,
+        "rest_us": 1e6 / rate - main,
     }
 
 
@@ -233,11 +268,12 @@ def print_table(rows, sizes):
 
 def print_breakdown(items):
     cols = [("step_us", "step"), ("loader_us", "in loader"), ("wait_recv_us", "wait+recv"), ("arrays_us", "arrays"),
-            ("submit_us", "submit"), ("bookkeeping_us", "bookkeep"), ("standardize_us", "keras std"), ("rest_us", "rest")]
-    print(f"\nPer-batch main-process time of the kpipe paths, microseconds (workers={items[0]['workers']}):")
-    print(f"{'size':<7}{'path':<26}" + "".join(f"{c[1]:>11}" for c in cols))
+            ("submit_us", "submit"), ("bookkeeping_us", "bookkeep"), ("standardize_us", "keras std"),
+            ("convert_us", "to tensor"), ("feed_next_us", "feed next"), ("rest_us", "rest")]
+    print(f"\nPer-batch time of the kpipe paths, microseconds (workers={items[0]['workers']}); the loader, keras std and to tensor run in a thread, beside the step:")
+    print(f"{'size':<7}{'path':<29}" + "".join(f"{c[1]:>10}" for c in cols))
     for b in items:
-        print(f"{b['size']:<7}{b['path']:<26}" + "".join(f"{b[c[0]]:>11.0f}" for c in cols))
+        print(f"{b['size']:<7}{b['path']:<29}" + "".join(f"{b[c[0]]:>10.0f}" for c in cols))
 
 
 def main(argv=None):
@@ -288,8 +324,8 @@ def main(argv=None):
             if r["size"] == size:
                 r["vs_tfdata"] = r["steps_per_s"] / ref
         if not args.no_breakdown:
-            for as_dataset in (False, True):
-                parts.append(dict(breakdown(model, x, y, steps, epochs, args.workers, as_dataset), size=size, workers=args.workers))
+            for path in ("from_generator", "feed", "as_dataset"):
+                parts.append(dict(breakdown(model, x, y, steps, epochs, args.workers, path), size=size, workers=args.workers))
         del model, x, y
 
     print(f"\nFeed benchmark: {len(os.sched_getaffinity(0))} CPUs, {steps} steps per epoch, best of 1 warm-up + {epochs} epochs, "

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROWS = ["tf.data", "PyDataset", "kpipe", "kpipe.as_dataset", "kpipe auto", "keras-mp"]
+ROWS = ["tf.data", "PyDataset", "kpipe", "kpipe from_generator", "kpipe.as_dataset", "kpipe auto", "keras-mp"]
+PATHS = ["fit(loader) from_generator", "fit(loader)", "fit(loader.as_dataset())"]
 
 
 @pytest.mark.slow
@@ -30,14 +31,20 @@ def test_bench_feed_small_run_reports_every_row_and_the_breakdown(tmp_path):
         assert all(r["steps_per_s"] > 0 and len(r["epoch_rates"]) == 2 for r in mine)
         assert mine[0]["vs_tfdata"] == 1.0
     assert [(b["size"], b["path"]) for b in result["breakdown"]] == [
-        (s, p) for s in ("1.5MB", "9.6MB") for p in ("fit(loader)", "fit(loader.as_dataset())")
+        (s, p) for s in ("1.5MB", "9.6MB") for p in PATHS
     ]
+    from kpipe import _compat
+
+    feeds = _compat.keras_at_least(_compat.KERAS_ITERABLE_TRAIN_FUNCTION)
     for b in result["breakdown"]:
         assert b["loader_us"] > 0 and b["step_us"] > 0
         parts = b["wait_recv_us"] + b["arrays_us"] + b["submit_us"] + b["bookkeeping_us"]
         assert abs(parts - b["loader_us"]) < 1e-6 * max(1.0, b["loader_us"]) + 1e-9
+        on_feed = feeds and b["path"] == "fit(loader)"  # the feed converts; from_generator does not
+        assert (b["feed_next_us"] > 0 and b["convert_us"] > 0) == on_feed, b
+        assert (b["standardize_us"] > 0) == (b["path"] != "fit(loader.as_dataset())"), b
     table = proc.stdout[proc.stdout.index("input to fit()"):]
-    assert all(name in table for name in ROWS) and "Per-batch main-process time" in proc.stdout
+    assert all(name in table for name in ROWS) and "Per-batch time of the kpipe paths" in proc.stdout
 
 
 def test_bench_feed_rejects_bad_arguments():
