@@ -9,8 +9,12 @@ the ratio to the best fixed count. For "auto", the workers it ended with and its
 
   a   64x64x3 uint8 images with NumPy augmentation (CPU-bound), batch 64
   c   5 ms of waiting (I/O) per sample, batch 32
+  fit workload a's batches into `model.fit()` of a model whose step uses one CPU core
+      (Dense 12288 -> 256 -> 10, TensorFlow limited to one intra-op thread): the workers
+      share the machine with training, so the best count is not "all cores". Samples/s
+      of the training steps after the first.
 
-    python scripts/bench_auto.py                       # a and c, counts 1,2,4,8,16
+    python scripts/bench_auto.py                       # a, c and fit, counts 1,2,4,8,16
     python scripts/bench_auto.py --workloads c --epochs c=20 --json auto.json
 """
 
@@ -27,8 +31,8 @@ import bench_loaders as bl  # noqa: E402  (its datasets and page-touching consum
 
 import kpipe  # noqa: E402  (bench_loaders put the repository first on sys.path)
 
-_WORKLOADS = ("a", "c")
-_EPOCHS = "a=10,c=10"
+_WORKLOADS = ("a", "c", "fit")
+_EPOCHS = "a=10,c=10,fit=4"
 
 
 def run(make, workers, epochs):
@@ -53,9 +57,41 @@ def run(make, workers, epochs):
     return (counts[1] - counts[3]) / (end - counts[2]), stats
 
 
+def run_fit(make, workers, epochs):
+    """Training samples/s of `model.fit(loader)` after its first step, and the stats."""
+    import keras
+
+    inner = make()
+    max_queue = None if workers == "auto" else max(10, 2 * workers)
+    keras.utils.set_random_seed(0)
+    x0, _ = inner[0]
+    model = keras.Sequential([keras.Input(x0.shape[1:]), keras.layers.Flatten(), keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    class Clock(keras.callbacks.Callback):
+        samples, start = 0, None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.start is None:
+                self.start = time.perf_counter()
+            else:
+                self.samples += len(x0)
+
+    clock = Clock()
+    loader = kpipe.ProcessLoader(inner, workers=workers, max_queue_size=max_queue)
+    try:
+        model.fit(loader, epochs=epochs, verbose=0, callbacks=[clock])
+        end = time.perf_counter()
+        stats = loader.stats()
+    finally:
+        loader.close()
+    return clock.samples / (end - clock.start), stats
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(_WORKLOADS), help=f"comma-separated subset of {','.join(_WORKLOADS)}. Default: both")
+    parser.add_argument("--workloads", default=",".join(_WORKLOADS), help=f"comma-separated subset of {','.join(_WORKLOADS)}. Default: all")
     parser.add_argument("--counts", default="1,2,4,8,16", help="fixed worker counts to compare with. Default: 1,2,4,8,16")
     parser.add_argument("--epochs", default=_EPOCHS, help=f"epochs per run, per workload. Default: {_EPOCHS}")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every count, in rounds; the best counts. Default: 2")
@@ -78,9 +114,15 @@ def main(argv=None):
     scale, repeats = (0.125, 1) if args.quick else (1.0, args.repeats)
     if args.quick:
         epochs = dict.fromkeys(_WORKLOADS, 1)
+    if "fit" in workloads:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)  # the model's step: one core
+        tf.config.threading.set_inter_op_parallelism_threads(1)
     makers = {
         "a": lambda: bl.Augment(num_images=int(2048 * scale)),
         "c": lambda: bl.Waits(n=max(8, int(48 * scale))),
+        "fit": lambda: bl.Augment(num_images=int(2048 * scale)),
     }
     rows = []
     for w in workloads:
@@ -88,7 +130,7 @@ def main(argv=None):
         ends = []
         for _ in range(repeats):
             for c in counts + ["auto"]:
-                rate, stats = run(makers[w], c, epochs[w])
+                rate, stats = (run_fit if w == "fit" else run)(makers[w], c, max(epochs[w], 2 if w == "fit" else 1))
                 runs[c].append(rate)
                 if c == "auto":
                     ends.append(stats)

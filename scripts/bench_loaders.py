@@ -426,6 +426,7 @@ def check_targets(rows, growth, io_workers):
 
 
 _WORKLOADS = ("a", "b", "b-direct", "c")
+_LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe")
 _EPOCHS = "a=10,b=8,b-direct=30,c=2"
 
 
@@ -439,6 +440,7 @@ def main(argv=None):
     parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")
     parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every loader, in rounds; the best throughput counts. Default: 3")
+    parser.add_argument("--loaders", default=",".join(_LOADERS), help=f"comma-separated subset of {','.join(_LOADERS)} (the ceiling always runs). Default: all")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (a smoke test, not a measurement)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -454,7 +456,9 @@ def main(argv=None):
     bad = [w for w in workloads if w not in _WORKLOADS]
     if bad:
         parser.error(f"--workloads takes {', '.join(_WORKLOADS)}. Received: {','.join(bad)}")
-    loaders = ["serial", "keras-threads", "keras-mp", "tf.data", "kpipe"]
+    loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
+    if not loaders or any(x not in _LOADERS for x in loaders):
+        parser.error(f"--loaders takes a comma-separated subset of {','.join(_LOADERS)}. Received: {args.loaders}")
     scale = 0.125 if args.quick else 1.0
     repeats = 1 if args.quick else args.repeats
     if repeats < 1:
@@ -479,7 +483,8 @@ def main(argv=None):
             n = max(8, int(48 * scale))
             make = lambda **kw: Waits(n=n, **kw)  # noqa: E731
             rows += measure("c", make, loaders, epochs["c"], args.workers, args.max_queue_size, repeats)
-            io_rows = measure(f"c@{args.io_workers}", make, ["serial", "keras-threads", "keras-mp", "kpipe", "kpipe-threads"], epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats)
+            io_loaders = [x for x in loaders if x != "tf.data"] + (["kpipe-threads"] if "kpipe" in loaders else [])
+            io_rows = measure(f"c@{args.io_workers}", make, io_loaders, epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats)
             rows += io_rows
     finally:
         for name in os.listdir(tmpdir):

@@ -65,7 +65,7 @@ def test_bench_auto_quick_run_reports_fixed_counts_and_auto(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["workload"], r["workers"]) for r in rows] == [(w, c) for w in ("a", "c") for c in (1, 2, "auto")]
+    assert [(r["workload"], r["workers"]) for r in rows] == [(w, c) for w in ("a", "c", "fit") for c in (1, 2, "auto")]
     assert all(r["samples_per_s"] > 0 for r in rows)
     assert max(r["x_best_fixed"] for r in rows if r["workers"] != "auto") == 1.0
     auto = [r for r in rows if r["workers"] == "auto"]
