@@ -171,7 +171,7 @@ def open_ports_message(what: str, ports: Sequence[int], host: str,
                        interfaces: Optional[Sequence[str]] = None) -> str:
     """The one-line `OpenPortsWarning` text for `what` (e.g. "worker 0") on `ports`."""
     listed = ", ".join(f"*:{p}" for p in sorted(set(ports)))
-    verb = "listen" if what.startswith("workers ") else "listens"
+    verb = "listen" if what.startswith("workers ") or "," in what else "listens"
     named = f" ({', '.join(interfaces)})" if interfaces else ""
     return (f"{what} {verb} on {listed}, on every network interface{named}, not only on {host}: "
             "TensorFlow's gRPC servers cannot bind one address, and they run any graph sent "
@@ -643,8 +643,7 @@ class _Job:
         if all(self.labels[i] == f"worker {i}" for i in workers):
             what = ("worker " if len(workers) == 1 else "workers ") + ", ".join(map(str, workers))
         else:
-            what = ("" if len(workers) == 1 else "workers ") + ", ".join(
-                self.labels[i] for i in workers)
+            what = ", ".join(self.labels[i] for i in workers)
         ports = [port for i in workers for _, _, port in found[i]]
         warnings.warn(OpenPortsWarning(open_ports_message(what, ports, host, interfaces)),
                       stacklevel=4)

@@ -576,7 +576,9 @@ def _ps_error(error, strategy, backup_dir, backup) -> Optional[ParameterServerEr
         resume = backup.describe()
     else:
         resume = "pass backup_dir= to resume a relaunched job from its last epoch"
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    first_line = next((line for line in lines if "connect" in line or "UNAVAILABLE" in line),
+                      lines[0] if lines else "")
     return ParameterServerError(
         f"Parameter server ps {task} ({address}) is unreachable ({type(error).__name__}: "
         f"{first_line[:200]}). Its variables are lost, so training cannot continue. Relaunch "
