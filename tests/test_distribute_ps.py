@@ -30,12 +30,12 @@ def _launch(out_dir, *args, expect=0):
     command = [sys.executable, os.path.join(PROGRAMS, "ps_train.py"), "--out", str(out_dir),
                *args]
     output = io.StringIO()
-    result = launch(command, workers=2, ps=1, env=ENV, output=output, timeout_s=200, warn_open_ports=False,
-                    grace_s=5)
+    result = launch(command, workers=2, ps=1, env=ENV, output=output, timeout_s=200,
+                    grace_s=5, warn_open_ports=False)
     if result.returncode != expect and "address already in use" in "".join(result.tails).lower():
         output = io.StringIO()  # a port was taken between free_ports() and the bind
-        result = launch(command, workers=2, ps=1, env=ENV, output=output, timeout_s=200, warn_open_ports=False,
-                        grace_s=5)
+        result = launch(command, workers=2, ps=1, env=ENV, output=output, timeout_s=200,
+                        grace_s=5, warn_open_ports=False)
     assert result.returncode == expect, "\n".join(
         [f"launch returned {result.returncode}, expected {expect}"] + list(result.tails))
     _assert_all_gone(out_dir)

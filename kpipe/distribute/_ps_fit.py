@@ -490,9 +490,19 @@ def _no_strategy():
 
 def _finish(item, metrics: _ChiefMetrics, cb) -> None:
     step, remote = item
-    out = tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t,
-                                remote.fetch())
-    metrics.update(out)
+    try:
+        out = tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t,
+                                    remote.fetch())
+    except tf.errors.UnavailableError as e:
+        # The step finished (a step that fails is re-run until it succeeds), but its results
+        # stayed on a worker that died before the chief copied them (TF < 2.17 copies them
+        # only on fetch): its update is applied, its loss is not known.
+        if _PS_TASK_RE.search(str(e)) or "/job:worker" not in str(e):
+            raise
+        logger.warning("ps_fit: step %d ran on a worker that died before its loss was "
+                       "fetched; the epoch's loss and metrics leave that step out.", step)
+    else:
+        metrics.update(out)
     cb.on_train_batch_end(step, metrics.results())
 
 
