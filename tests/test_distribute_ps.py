@@ -126,4 +126,5 @@ def test_a_lost_ps_is_reported_and_a_relaunch_resumes_from_the_backup(tmp_path):
     record = json.loads((tmp_path / "chief.json").read_text())
     assert record["epochs"] == list(range(1, ps_train.EPOCHS))  # epoch 0 came from the backup
     assert record["iterations"] == ps_train.EPOCHS * ps_train.STEPS
+    assert record["learning_rate"] == pytest.approx(ps_train.LR)  # Warmup handed over
     assert not backup.exists()  # deleted once training completed

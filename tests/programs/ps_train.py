@@ -9,7 +9,7 @@ Scenarios (`--scenario`):
          `--kill-worker E` the chief SIGKILLs worker 1 during epoch E. Then class weights
          (learning rate 0, one fixed batch) against a single-process Keras fit, and the
          error cases.
-  backup ps_fit with `--backup DIR`; with `--kill-ps E` the chief SIGKILLs the ps task
+  backup ps_fit with `--backup DIR` and kpipe's Warmup; with `--kill-ps E` the chief SIGKILLs the ps task
          during epoch E (after epoch E-1 was backed up) and reports the error it got.
 """
 
@@ -27,6 +27,8 @@ STEPS = 20
 EPOCHS = 3
 CLASS_WEIGHT = {0: 3.0, 1: 0.5}
 LOSS_THRESHOLD = 0.35
+LR = 0.02
+WARMUP_STEPS = 10
 
 
 def make_data(n=512, seed=0):
@@ -136,7 +138,7 @@ def main(argv=None):
     assert info.task_type == "chief", info
     result = {"coordinator": type(strategy.coordinator).__name__}
     with strategy.scope():
-        model = build(keras, 0.02)
+        model = build(keras, LR)
     callbacks = []
     x_val, y_val = make_data(128, seed=1)
     if args.scenario == "main":
@@ -153,8 +155,11 @@ def main(argv=None):
                       class_weight=class_weight_check(kd, keras, tf, strategy),
                       errors=errors(kd, keras, tf, strategy))
     else:
+        import kpipe.callbacks
+
         if args.kill_ps is not None:
             callbacks.append(Killer(args.out, "ps0", args.kill_ps))
+        callbacks.append(kpipe.callbacks.Warmup(steps=WARMUP_STEPS, initial_lr=0.002))
         try:
             history = kd.ps_fit(model, train_dataset, epochs=EPOCHS, steps_per_epoch=STEPS,
                                 callbacks=callbacks, backup_dir=args.backup, verbose=2)
@@ -165,7 +170,8 @@ def main(argv=None):
             print(f"chief: {e}", flush=True)
             return 3
         result.update(history=history.history, epochs=history.epoch,
-                      iterations=int(model.optimizer.iterations.numpy()))
+                      iterations=int(model.optimizer.iterations.numpy()),
+                      learning_rate=float(model.optimizer.learning_rate.numpy()))
     with open(os.path.join(args.out, "chief.json"), "w") as f:
         json.dump(result, f, default=float)
     print("chief: done", flush=True)
