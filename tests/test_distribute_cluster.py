@@ -276,7 +276,7 @@ def test_auto_strategy_without_cluster_is_the_default_strategy(tf_config, caplog
     (_config(TWO_WORKERS, {"type": "worker", "index": 0}), {"devices": ["/cpu:0"]},
      "`devices` cannot be chosen under a multi-worker TF_CONFIG"),
     (_config({**TWO_WORKERS, "ps": ["h:1"]}, {"type": "worker", "index": 0}), {},
-     "TF_CONFIG lists `ps` tasks"),
+     "TF_CONFIG lists `ps` tasks but it has no `chief` task"),
 ])
 def test_auto_strategy_rejects_what_keras_fit_cannot_do(tf_config, config, kwargs, match):
     pytest.importorskip("tensorflow")

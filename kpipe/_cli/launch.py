@@ -2,6 +2,8 @@
 
     kpipe launch --workers 2 -- python train.py --epochs 3
     kpipe launch --print-tf-config 10.0.0.1:2222,10.0.0.2:2222
+    kpipe launch --workers 2 --ps 1 -- python train.py      # parameter servers (+ a chief)
+    kpipe launch --chief --ps 1 --print-tf-config h0:2222,h1:2222,h2:2222,h3:2222
 
 From a notebook, run it through `subprocess` (the launcher then owns the processes and
 stops them all when one fails or the cell is interrupted):
@@ -22,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds `kpipe launch`'s options to `parser`."""
     parser.add_argument("--workers", type=int, default=2,
                         help="number of local worker processes (default: 2)")
+    parser.add_argument("--ps", type=int, default=0, metavar="M",
+                        help="number of parameter-server tasks; implies --chief, and the job "
+                             "follows parameter-server rules (see below) (default: 0)")
+    parser.add_argument("--chief", action="store_true",
+                        help="run a chief task besides the workers (implied by --ps)")
     parser.add_argument("--port", type=int, default=None,
                         help="first port; workers listen on PORT, PORT+1, ... "
                              "(default: free ports)")
@@ -44,7 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "When one worker fails, the others are stopped and its exit code is "
                      "returned; Ctrl-C is forwarded to every worker. Unless --verbose, "
                      "workers get TF_CPP_MIN_LOG_LEVEL=1 (if it is not set) and TensorFlow's "
-                     "start-up lines (CUDA, CPU features) are left out of their output.")
+                     "start-up lines (CUDA, CPU features) are left out of their output. "
+                     "With --ps M: tasks run in the order chief, workers, ps (prefixes "
+                     "[chief], [worker i], [ps i]; with --print-tf-config, list the addresses "
+                     "in that order); the chief's exit ends the job with its status and stops "
+                     "the servers; a worker may die (the chief re-runs its steps) unless none "
+                     "is left; a ps task's death gives the chief --grace seconds to report it.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +69,14 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"kpipe launch: --print-tf-config: {e}", file=sys.stderr)
             return 2
-        print(_launcher.format_tf_configs(addresses))
+        if args.ps or args.chief:
+            try:
+                print(_launcher.format_role_tf_configs(addresses, chief=True, ps=args.ps))
+            except ValueError as e:
+                print(f"kpipe launch: --print-tf-config: {e}", file=sys.stderr)
+                return 2
+        else:
+            print(_launcher.format_tf_configs(addresses))
         return 0
     command = list(args.command)
     if command and command[0] == "--":
@@ -72,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with _quiet.kpipe_warnings_as_lines("kpipe launch"):
             result = _launcher.launch(
-                command, workers=args.workers, port=args.port, host=args.host,
+                command, workers=args.workers, ps=args.ps, chief=True if args.chief else None,
+                port=args.port, host=args.host,
                 timeout_s=args.timeout, grace_s=args.grace,
                 env=None if verbose else _quiet.quiet_env(),
                 line_filter=None if verbose else _quiet.startup_noise_filter())
@@ -83,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kpipe launch: cannot start {command[0]!r}: {e}", file=sys.stderr)
         return 127
     if result.failed_worker is not None:
-        print(f"kpipe launch: worker {result.failed_worker} exited with status "
+        task = (result.tasks[result.failed_worker] if result.tasks
+                else f"worker {result.failed_worker}")
+        print(f"kpipe launch: {task} exited with status "
               f"{result.returncode}; stopped the others.", file=sys.stderr)
     elif result.timed_out:
         print(f"kpipe launch: timed out after {args.timeout} s; stopped every worker.",

@@ -14,6 +14,8 @@ first use.
 * `chief_only()`, `chief_path()`, `per_worker_path()` -- files written by the chief only.
 * `launch()`, `LaunchResult`, `free_ports()`, `tf_configs()` -- local multi-worker jobs;
   `OpenPortsWarning` -- a server listens on every network interface (README: Security).
+* `ps_fit()`, `ParameterServerError` -- parameter-server training on the chief
+  (`auto_strategy()` serves on `worker` and `ps` tasks).
 * `start_dispatcher()`, `start_worker()`, `via_data_service()` -- tf.data service.
 """
 
@@ -28,6 +30,8 @@ from kpipe.distribute._sharding import check_shuffle_seed, is_presharded, mark_p
 _LAZY_ATTRS = {
     "auto_strategy": "kpipe.distribute._strategy",
     "MultiWorkerMirroredStrategy": "kpipe.distribute._strategy",
+    "ps_fit": "kpipe.distribute._ps_fit",
+    "ParameterServerError": "kpipe.distribute._ps_fit",
     "start_dispatcher": "kpipe.distribute._data_service",
     "start_worker": "kpipe.distribute._data_service",
     "via_data_service": "kpipe.distribute._data_service",

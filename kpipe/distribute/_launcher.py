@@ -81,6 +81,8 @@ class LaunchResult:
         timed_out: Whether `timeout_s` ran out.
         interrupted: Whether the launcher received SIGINT or SIGTERM.
         tails: The last lines of each worker's output, for error messages.
+        tasks: Each process's task, `"worker 0"`, `"chief"`, `"ps 0"`, in the order of
+            `returncodes` (chief first, then workers, then ps tasks).
     """
 
     returncode: int
@@ -89,6 +91,7 @@ class LaunchResult:
     timed_out: bool
     interrupted: bool
     tails: Tuple[str, ...]
+    tasks: Tuple[str, ...] = ()
 
 
 class OpenPortsWarning(UserWarning):
@@ -168,7 +171,7 @@ def open_ports_message(what: str, ports: Sequence[int], host: str,
                        interfaces: Optional[Sequence[str]] = None) -> str:
     """The one-line `OpenPortsWarning` text for `what` (e.g. "worker 0") on `ports`."""
     listed = ", ".join(f"*:{p}" for p in sorted(set(ports)))
-    verb = "listen" if what.startswith("workers ") else "listens"
+    verb = "listen" if what.startswith("workers ") or "," in what else "listens"
     named = f" ({', '.join(interfaces)})" if interfaces else ""
     return (f"{what} {verb} on {listed}, on every network interface{named}, not only on {host}: "
             "TensorFlow's gRPC servers cannot bind one address, and they run any graph sent "
@@ -264,6 +267,78 @@ def tf_configs(addresses: Sequence[str]) -> List[str]:
             for i in range(len(addresses))]
 
 
+def role_tf_configs(workers: Sequence[str], *, chief: Optional[str] = None,
+                    ps: Sequence[str] = ()) -> List[Tuple[str, int, str]]:
+    """Returns `(task_type, task_index, TF_CONFIG)` for every task of a cluster with roles.
+
+    Args:
+        workers: `"host:port"` of each worker.
+        chief: `"host:port"` of the chief, or `None` for none. Defaults to `None`.
+        ps: `"host:port"` of each parameter server. Defaults to `()`.
+
+    Returns:
+        The chief first, then the workers, then the ps tasks.
+
+    Example:
+
+    >>> [(t, i) for t, i, _ in role_tf_configs(["h:2"], chief="h:1", ps=["h:3"])]
+    [('chief', 0), ('worker', 0), ('ps', 0)]
+    """
+    cluster = {}
+    if chief is not None:
+        cluster["chief"] = [chief]
+    cluster["worker"] = list(workers)
+    if ps:
+        cluster["ps"] = list(ps)
+    return [(task_type, index, json.dumps({"cluster": cluster,
+                                           "task": {"type": task_type, "index": index}}))
+            for task_type, addresses in cluster.items() for index in range(len(addresses))]
+
+
+def split_roles(addresses: Sequence[str], *, chief: bool, ps: int) -> Tuple[
+        Optional[str], List[str], List[str]]:
+    """Splits addresses into `(chief, workers, ps)`: chief first, ps tasks last."""
+    addresses = list(addresses)
+    chief_address = addresses.pop(0) if chief else None
+    ps_addresses = addresses[len(addresses) - ps:] if ps else []
+    return chief_address, addresses[:len(addresses) - ps], ps_addresses
+
+
+def format_role_tf_configs(addresses: Sequence[str], *, chief: bool, ps: int) -> str:
+    """Shell lines setting each host's `TF_CONFIG` for a job with a chief and/or ps tasks.
+
+    Args:
+        addresses: `"host:port"` of the chief (first, when `chief`), the workers, then
+            the `ps` parameter servers (last).
+        chief: Whether the first address is the chief's.
+        ps: How many of the last addresses are parameter servers.
+
+    Returns:
+        For each task, a comment naming it and an `export TF_CONFIG='...'` line.
+
+    Raises:
+        ValueError: The addresses leave no worker.
+
+    Example:
+
+    >>> print(format_role_tf_configs(["h:1", "h:2", "h:3"], chief=True, ps=1).splitlines()[2])
+    # worker 0 on h:2
+    """
+    chief_address, workers, ps_addresses = split_roles(addresses, chief=chief, ps=ps)
+    if not workers:
+        raise ValueError(f"{len(addresses)} address(es) leave no worker once the chief and "
+                         f"{ps} ps task(s) are taken. Received: {list(addresses)}. List the "
+                         "chief first, then the workers, then the ps tasks.")
+    lines = []
+    by_task = {("chief", 0): chief_address, **{("worker", i): a for i, a in enumerate(workers)},
+               **{("ps", i): a for i, a in enumerate(ps_addresses)}}
+    for task_type, index, config in role_tf_configs(workers, chief=chief_address,
+                                                    ps=ps_addresses):
+        name = "chief" if task_type == "chief" else f"{task_type} {index}"
+        lines += [f"# {name} on {by_task[(task_type, index)]}", f"export TF_CONFIG='{config}'"]
+    return "\n".join(lines)
+
+
 def format_tf_configs(addresses: Sequence[str]) -> str:
     """Shell lines that set each host's `TF_CONFIG` for a real multi-host job.
 
@@ -289,6 +364,8 @@ def launch(
     command: Sequence[str],
     *,
     workers: int = 2,
+    ps: int = 0,
+    chief: Optional[bool] = None,
     port: Optional[int] = None,
     host: str = "127.0.0.1",
     env: Optional[Dict[str, str]] = None,
@@ -308,6 +385,14 @@ def launch(
     No process outlives the call. Safe to call from a notebook or from a thread (signals
     are then not forwarded).
 
+    With `chief=True` a `chief` task runs first (prefix `[chief] `); with `ps > 0` (which
+    implies a chief) `ps` parameter-server tasks run too (`[ps i] `), and the job follows
+    parameter-server rules: the chief's exit ends the job (its status is the job's; the
+    servers are stopped), a worker's death is reported and tolerated (the chief re-runs its
+    steps elsewhere) unless no worker is left, and a ps task's death gives the chief
+    `grace_s` to report it before every process is stopped. Ports go in the order chief,
+    workers, ps tasks.
+
     `host` is only the address written into `TF_CONFIG`: TensorFlow's gRPC server listens
     on every interface whatever it is (see NOTE [ Open ports ]). When a worker's process
     tree listens on a wildcard address and the host has a network interface besides
@@ -315,7 +400,10 @@ def launch(
 
     Args:
         command: The program and its arguments, e.g. `[sys.executable, "train.py"]`.
-        workers: Number of processes. Must be >= 1. Defaults to 2.
+        workers: Number of worker processes. Must be >= 1. Defaults to 2.
+        ps: Number of parameter-server tasks. Defaults to 0.
+        chief: Whether to run a `chief` task besides the workers. Defaults to `None`
+            (a chief exactly when `ps > 0`).
         port: First port; workers use `port, port+1, ...`. Defaults to `None` (free
             ports picked on `host`).
         host: Address written into `TF_CONFIG`, under which the workers reach each
@@ -358,21 +446,38 @@ def launch(
                          "[sys.executable, 'train.py'].")
     if workers < 1:
         raise ValueError(f"`workers` must be >= 1. Received: workers={workers}.")
-    if port is not None and not 0 < port <= 65536 - workers:
-        raise ValueError(f"`port` must leave room for {workers} ports below 65536. "
+    if ps < 0:
+        raise ValueError(f"`ps` must be >= 0. Received: ps={ps}.")
+    if chief is None:
+        chief = ps > 0
+    if ps and not chief:
+        raise ValueError(f"Parameter-server training needs a chief. Received: ps={ps}, "
+                         "chief=False. Leave `chief` unset (or True) with ps > 0.")
+    count = int(chief) + workers + ps
+    if port is not None and not 0 < port <= 65536 - count:
+        raise ValueError(f"`port` must leave room for {count} ports below 65536. "
                          f"Received: port={port}. Omit it to pick free ports.")
-    ports = free_ports(workers, host) if port is None else [port + i for i in range(workers)]
-    configs = tf_configs([f"{host}:{p}" for p in ports])
+    ports = free_ports(count, host) if port is None else [port + i for i in range(count)]
+    addresses = [f"{host}:{p}" for p in ports]
+    if chief or ps:
+        chief_address, worker_addresses, ps_addresses = split_roles(addresses, chief=chief,
+                                                                    ps=ps)
+        tasks = role_tf_configs(worker_addresses, chief=chief_address, ps=ps_addresses)
+    else:
+        tasks = [("worker", i, config) for i, config in enumerate(tf_configs(addresses))]
     job = _Job(output if output is not None else sys.stdout, line_filter,
-               host if warn_open_ports else None)
+               host if warn_open_ports else None, ps_rules=ps > 0)
     with _forwarded_signals(job):
         try:
-            for i, config in enumerate(configs):
+            for i, (task_type, index, config) in enumerate(tasks):
                 child_env = dict(os.environ)
                 child_env.update(env or {})
-                child_env.update(TF_CONFIG=config, KPIPE_LAUNCH_WORKER=str(i),
-                                 PYTHONUNBUFFERED="1")
-                job.start(i, command, child_env)
+                child_env.update(TF_CONFIG=config, PYTHONUNBUFFERED="1",
+                                 KPIPE_LAUNCH_TASK=f"{task_type}:{index}")
+                if task_type == "worker":
+                    child_env["KPIPE_LAUNCH_WORKER"] = str(index)
+                label = "chief" if task_type == "chief" else f"{task_type} {index}"
+                job.start(i, command, child_env, label=label)
             job.supervise(timeout_s, grace_s)
         finally:
             job.reap()
@@ -383,8 +488,12 @@ class _Job:
     """The children of one `launch()` call and their output threads."""
 
     def __init__(self, output: IO[str], line_filter: Optional[Callable[[str], bool]] = None,
-                 watch_host: Optional[str] = None):
+                 watch_host: Optional[str] = None, ps_rules: bool = False):
         self._output = output
+        self._ps_rules = ps_rules
+        self.labels: List[str] = []
+        self._reported: set = set()
+        self._chief_deadline: Optional[float] = None
         self._line_filter = line_filter
         self._watch_host = watch_host  # None: do not look at listening sockets
         self._next_port_check = 0.0
@@ -400,20 +509,22 @@ class _Job:
         self._failed: Optional[int] = None
         self._timed_out = False
 
-    def start(self, index: int, command: List[str], env: Dict[str, str]) -> None:
+    def start(self, index: int, command: List[str], env: Dict[str, str],
+              label: Optional[str] = None) -> None:
+        self.labels.append(label or f"worker {index}")
         proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.procs.append(proc)
         tail = collections.deque(maxlen=_TAIL_LINES)
         self._tails.append(tail)
-        reader = threading.Thread(target=self._pump, args=(index, proc.stdout, tail),
+        reader = threading.Thread(target=self._pump, args=(self.labels[-1], proc.stdout, tail),
                                   name=f"kpipe-launch-output-{index}", daemon=True)
         reader.start()
         self._readers.append(reader)
 
-    def _pump(self, index: int, stream, tail) -> None:
-        prefix = f"[worker {index}] "
+    def _pump(self, label: str, stream, tail) -> None:
+        prefix = f"[{label}] "
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             tail.append(line)
@@ -432,7 +543,11 @@ class _Job:
         kill_at = None
         while True:
             codes = [p.poll() for p in self.procs]
-            if self._failed is None and self.signal_count == 0 and not self._timed_out:
+            if self._ps_rules and self._failed is None and self.signal_count == 0 \
+                    and not self._timed_out:
+                if self._apply_ps_rules(codes, grace_s):
+                    kill_at = time.monotonic() + grace_s
+            elif self._failed is None and self.signal_count == 0 and not self._timed_out:
                 failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
                     self._failed = failed[0]
@@ -455,6 +570,50 @@ class _Job:
             if kill_at is not None and time.monotonic() > kill_at:
                 self._signal_all(signal.SIGKILL)
             time.sleep(_POLL_S)
+
+    def _apply_ps_rules(self, codes, grace_s: float) -> bool:
+        """Parameter-server job rules (see `launch`); True when every process must stop."""
+        chief = codes[0]
+        if chief is not None:
+            if chief != 0:
+                self._failed = 0
+            self._signal_all(signal.SIGTERM)
+            return True
+        now = time.monotonic()
+        for i, code in enumerate(codes):
+            if code is None or i in self._reported:
+                continue
+            self._reported.add(i)
+            if self.labels[i].startswith("worker"):
+                self._note(f"{self.labels[i]} exited with status {_exit_status(code)}; the "
+                           "chief runs its steps on the other workers.")
+            else:
+                self._note(f"{self.labels[i]} exited with status {_exit_status(code)}; waiting "
+                           f"up to {grace_s:g} s for the chief to report it.")
+                if self._chief_deadline is None:
+                    self._chief_deadline = now + grace_s
+        workers = [i for i, label in enumerate(self.labels) if label.startswith("worker")]
+        if all(codes[i] is not None for i in workers):
+            self._failed = next(i for i in workers if codes[i] != 0) if any(
+                codes[i] for i in workers) else workers[0]
+            self._note("no worker is left; stopping the job.")
+            self._signal_all(signal.SIGTERM)
+            return True
+        if self._chief_deadline is not None and now > self._chief_deadline:
+            self._failed = next(i for i in range(1, len(codes))
+                                if codes[i] not in (None, 0) and not
+                                self.labels[i].startswith("worker"))
+            self._signal_all(signal.SIGTERM)
+            return True
+        return False
+
+    def _note(self, text: str) -> None:
+        with self._write_lock:
+            try:
+                self._output.write(f"[kpipe launch] {text}\n")
+                self._output.flush()
+            except (ValueError, OSError):
+                pass
 
     def _check_ports(self) -> None:
         """Warns once when workers' process trees listen on a wildcard address.
@@ -481,7 +640,10 @@ class _Job:
         if not interfaces:  # a loopback-only network namespace: nothing is exposed
             return
         workers = sorted(found)
-        what = ("worker " if len(workers) == 1 else "workers ") + ", ".join(map(str, workers))
+        if all(self.labels[i] == f"worker {i}" for i in workers):
+            what = ("worker " if len(workers) == 1 else "workers ") + ", ".join(map(str, workers))
+        else:
+            what = ", ".join(self.labels[i] for i in workers)
         ports = [port for i in workers for _, _, port in found[i]]
         warnings.warn(OpenPortsWarning(open_ports_message(what, ports, host, interfaces)),
                       stacklevel=4)
@@ -507,12 +669,14 @@ class _Job:
             returncode = _EXIT_TIMEOUT
         elif self.signal_received is not None:
             returncode = _EXIT_INTERRUPTED
+        elif self._ps_rules and codes and codes[0] == 0:
+            returncode = 0  # the chief finished; the servers were stopped
         else:
             returncode = next((_exit_status(c) for c in codes if c), 0)
         return LaunchResult(
             returncode=returncode, returncodes=codes, failed_worker=self._failed,
             timed_out=self._timed_out, interrupted=self.signal_received is not None,
-            tails=tuple("\n".join(t) for t in self._tails))
+            tails=tuple("\n".join(t) for t in self._tails), tasks=tuple(self.labels))
 
 
 def _exit_status(code: int) -> int:

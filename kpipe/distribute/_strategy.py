@@ -164,6 +164,11 @@ def _check_shuffles(dataset, num_workers: int) -> None:
 def auto_strategy(*, devices: Optional[Sequence[str]] = None, communication: str = "auto"):
     """Picks the distribution strategy for this process and logs why.
 
+    * `TF_CONFIG` lists `ps` tasks: parameter-server training. On the `chief`, a
+      `tf.distribute.ParameterServerStrategy` whose `coordinator` attribute holds its
+      `ClusterCoordinator` (train with `kpipe.distribute.ps_fit`); on `worker` and `ps`
+      tasks, this starts the task's TensorFlow server and serves until the chief exits,
+      then ends the process: it does not return, so one script runs in every role.
     * `TF_CONFIG` lists more than one training process: kpipe's repaired
       `MultiWorkerMirroredStrategy` (one replica per local GPU, or the CPU).
     * `devices` given, or more than one GPU visible: `tf.distribute.MirroredStrategy`.
@@ -184,8 +189,8 @@ def auto_strategy(*, devices: Optional[Sequence[str]] = None, communication: str
 
     Raises:
         ValueError: `communication` is unknown, `devices` is given under a multi-worker
-            `TF_CONFIG`, or `TF_CONFIG` lists `ps` tasks (Keras 3 `fit()` has no
-            parameter-server training).
+            `TF_CONFIG`, or a cluster with `ps` tasks lacks a chief or workers (or this
+            task is its evaluator).
         kpipe.distribute.TFConfigError: `TF_CONFIG` is malformed.
 
     Example:
@@ -199,11 +204,10 @@ def auto_strategy(*, devices: Optional[Sequence[str]] = None, communication: str
         raise ValueError(f"`communication` must be one of {sorted(_COMMUNICATION)}. "
                          f"Received: communication={communication!r}.")
     info = cluster_info()
-    if "ps" in info.cluster:
-        raise ValueError(
-            f"TF_CONFIG lists `ps` tasks ({list(info.cluster['ps'])}): parameter-server "
-            "training has no Keras 3 `fit()`. Remove them to train with all-reduce, or "
-            "write a custom loop with tf.distribute.coordinator.ClusterCoordinator.")
+    if info.cluster.get("ps"):
+        from kpipe.distribute import _ps
+
+        return _ps.ps_strategy_for_this_task()
     if info.is_multi_worker and info.worker_index is not None:
         if devices is not None:
             raise ValueError(f"`devices` cannot be chosen under a multi-worker TF_CONFIG. "
