@@ -15,6 +15,8 @@ first use.
 * `launch()`, `LaunchResult`, `free_ports()`, `tf_configs()` -- local multi-worker jobs;
   `OpenPortsWarning` -- a server listens on every network interface (README: Security).
 * `start_dispatcher()`, `start_worker()`, `via_data_service()` -- tf.data service.
+* `pipeline_model()`, `PipelineModel` -- model parallelism: a model's layers as pipeline
+  stages on several devices, trained by `fit()` with GPipe micro-batches.
 """
 
 from kpipe import _lazy
@@ -31,6 +33,8 @@ _LAZY_ATTRS = {
     "start_dispatcher": "kpipe.distribute._data_service",
     "start_worker": "kpipe.distribute._data_service",
     "via_data_service": "kpipe.distribute._data_service",
+    "pipeline_model": "kpipe.distribute._pipeline",
+    "PipelineModel": "kpipe.distribute._pipeline",
 }
 
 __all__ = sorted([
