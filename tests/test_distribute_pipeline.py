@@ -104,7 +104,7 @@ def test_weight_files_are_interchangeable_both_ways(report):
     assert r["loaded_devices"] == [0, 0, 1, 1, 2, 2, 2, 2]  # loading keeps each variable on its device
 
 
-def test_sequential_model_in_three_stages(report):
+def test_sequential_model_in_three_stages_with_a_weight_regularizer(report):
     r = part(report, "sequential_three_stages")
     assert r["split"] == [["s1"], ["s2", "s3"], ["s4"]]
     assert r["devices"] == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]

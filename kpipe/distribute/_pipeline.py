@@ -124,6 +124,12 @@ class PipelineModel(keras.Model):
             # default device). Built here, each slot lives on its variable's device.
             self.optimizer.build(self.trainable_variables)
 
+    def get_config(self):
+        raise NotImplementedError(
+            f"A PipelineModel ({self.name!r}) has no config: it is saved as weights. Use "
+            "`save_weights('w.weights.h5')`, and for a whole `.keras` file load those weights into the "
+            "unsplit model (`model = build(); model.load_weights('w.weights.h5'); model.save('m.keras')`).")
+
     @functools.wraps(keras.Model.fit)
     def fit(self, *args, **kwargs):
         _check_no_strategy("train")
@@ -552,12 +558,14 @@ def _params(node):
 
 
 def _check_layers(model, ops, num_microbatches):
+    warned = False
     for layer in _all_layers([n.operation for n in ops]):
         if getattr(layer, "activity_regularizer", None) is not None:
             raise ValueError(
                 f"Layer {layer.name!r} has an activity regularizer, which `pipeline_model` does not support "
                 "(its loss is made inside a stage, per micro-batch). Remove it, or regularize the weights.")
-        if num_microbatches > 1 and isinstance(layer, keras.layers.BatchNormalization):
+        if num_microbatches > 1 and isinstance(layer, keras.layers.BatchNormalization) and not warned:
+            warned = True
             warnings.warn(
                 f"Layer {layer.name!r} of model {model.name!r} is a BatchNormalization: in training it "
                 f"normalizes each of the {num_microbatches} micro-batches with that micro-batch's own "
@@ -565,7 +573,6 @@ def _check_layers(model, ops, num_microbatches):
                 "from the unsplit model (and a batch smaller than `num_microbatches` leaves empty "
                 "micro-batches, whose statistics are NaN). Use num_microbatches=1 for the same "
                 "statistics, or LayerNormalization/GroupNormalization.", UserWarning, stacklevel=3)
-            return
 
 
 def _all_layers(operations):

@@ -222,7 +222,7 @@ def main(argv=None):
         def seq():
             keras.utils.set_random_seed(1)
             return keras.Sequential([keras.Input((5,)), L.Dense(8, activation="relu", name="s1"),
-                                     L.Dense(8, activation="relu", name="s2"), L.Dense(4, activation="relu", name="s3"),
+                                     L.Dense(8, activation="relu", name="s2", kernel_regularizer=keras.regularizers.L2(0.01)), L.Dense(4, activation="relu", name="s3"),
                                      L.Dense(1, name="s4")], name="seq")
 
         x = rng.normal(size=(40, 5)).astype("float32")
