@@ -21,9 +21,15 @@ the timed epoch: GPU utilisation over time above, each step's input wait (InputP
 per-step record) below, on the same time axis -- the swing between 0% and 90% and the
 waits that cause it, then its cure.
 
+Then, on a machine with 2 or more GPUs, the pipeline case (`kpipe.distribute.pipeline_model`,
+model parallelism): an MLP trained on one GPU, then cut into stages over the GPUs with
+micro-batches, from the same weights; it prints whether the losses match (the correctness
+check) and each GPU's peak memory in both runs (`tf.config.experimental.get_memory_info`).
+With fewer than 2 GPUs it says so and skips that case. `--only pipeline` runs just it.
+
 Run it through `scripts/gpu_check.sh`, which installs what is needed and exits 0 on a
-machine without an NVIDIA GPU. `--cpu-ok` runs it without a GPU (GPU columns say n/a):
-for trying the script itself.
+machine without an NVIDIA GPU. `--cpu-ok` runs it without a GPU (GPU columns say n/a; with
+`--only pipeline`, the pipeline case on 2 logical CPU devices): for trying the script itself.
 """
 
 import argparse
@@ -143,6 +149,105 @@ def run_arm(args):
     return 0
 
 
+def run_pipeline_arm(args):
+    """The pipeline case, in this process: one GPU vs stages over the GPUs; prints a JSON line."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import gc
+
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if len(gpus) >= 2:
+        devices = [f"/gpu:{i}" for i in range(min(len(gpus), args.pipeline_stages))]
+        tf.config.experimental.enable_tensor_float_32_execution(False)  # float32 on both sides
+    elif args.cpu_ok:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        devices = ["/cpu:0", "/cpu:1"]
+    else:
+        print("ARM_RESULT " + json.dumps({"arm": "pipeline", "skipped": f"TensorFlow sees {len(gpus)} GPU(s); "
+                                          "the pipeline case needs 2 or more"}), flush=True)
+        return 0
+    import keras
+
+    import kpipe.distribute
+
+    on_gpu = devices[0].startswith("/gpu")
+    width, depth, batch, m = args.pipeline_width, args.pipeline_depth, args.batch, args.pipeline_microbatches
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.steps * batch, width)).astype("float32")
+    y = rng.integers(0, 10, len(x))
+
+    def build():  # on the host: the model need not fit on one device
+        keras.utils.set_random_seed(0)
+        with tf.device("/cpu:0"):
+            return keras.Sequential([keras.Input((width,)), *[keras.layers.Dense(width, activation="relu")
+                                                              for _ in range(depth)], keras.layers.Dense(10)])
+
+    def train(model):
+        model.compile(keras.optimizers.SGD(0.01, momentum=0.9), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        names = [d.upper().lstrip("/") for d in devices]
+        if on_gpu:
+            for name in names:
+                tf.config.experimental.reset_memory_stats(name)
+        start = time.perf_counter()
+        history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0).history["loss"]
+        seconds = time.perf_counter() - start
+        peaks = [round(tf.config.experimental.get_memory_info(n)["peak"] / 2**20, 1) for n in names] if on_gpu else None
+        return history, peaks, seconds
+
+    host = build()
+    with tf.device(devices[0]):
+        one = keras.models.clone_model(host)
+        one.set_weights(host.get_weights())
+    loss_one, peak_one, seconds_one = train(one)
+    del one
+    gc.collect()
+    keras.backend.clear_session()
+    piped = kpipe.distribute.pipeline_model(build(), devices, num_microbatches=m)
+    loss_pipe, peak_pipe, seconds_pipe = train(piped)
+    diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(loss_one, loss_pipe))
+    print("ARM_RESULT " + json.dumps({
+        "arm": "pipeline", "devices": devices, "microbatches": m, "params": piped.count_params(),
+        "split": [list(s.layer_names) for s in piped.stages], "loss_one": loss_one, "loss_pipeline": loss_pipe,
+        "max_rel_diff": diff, "match": diff < 1e-4, "peak_mb_one": peak_one, "peak_mb_pipeline": peak_pipe,
+        "seconds_one": seconds_one, "seconds_pipeline": seconds_pipe,
+    }), flush=True)
+    return 0
+
+
+def print_pipeline(r):
+    """The pipeline case's lines of the report."""
+    if "skipped" in r or "error" in r:
+        print(f"gpu_check: pipeline case {'skipped' if 'skipped' in r else 'failed'}: {r.get('skipped') or r['error'][-300:]}")
+        return
+    k = len(r["devices"])
+    print(f"\npipeline: {r['params']:,}-weight MLP in {k} stages over {', '.join(r['devices'])}, "
+          f"{r['microbatches']} micro-batches (bubble {(k - 1) / (r['microbatches'] + k - 1):.0%})")
+    print(f"  losses {'match' if r['match'] else 'DIFFER FROM'} one device: largest relative difference "
+          f"{r['max_rel_diff']:.1e} over {len(r['loss_one'])} epochs; time {r['seconds_one']:.1f} s on one device, "
+          f"{r['seconds_pipeline']:.1f} s in stages")
+    if r["peak_mb_one"] is not None:
+        print(f"  {'device':<10}{'peak MB, one device':>21}{'peak MB, stages':>17}")
+        for i, device in enumerate(r["devices"]):
+            print(f"  {device:<10}{r['peak_mb_one'][i]:>21,.0f}{r['peak_mb_pipeline'][i]:>17,.0f}")
+
+
+def pipeline_skip_reason(gpus, cpu_ok, only):
+    """Why the pipeline case does not run (a message), or None when it runs."""
+    if gpus >= 2 or (cpu_ok and only == "pipeline"):
+        return None
+    return (f"nvidia-smi lists {gpus} GPU(s); model parallelism needs 2 or more "
+            "(--cpu-ok --only pipeline tries it on 2 logical CPU devices)")
+
+
+def _gpu_count(have_smi):
+    if not have_smi:
+        return 0
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+
+
 class _SmiSampler:
     """Streams `nvidia-smi` utilisation every 100 ms into (time, mean % over GPUs) pairs."""
 
@@ -186,7 +291,9 @@ class _SmiSampler:
 
 def _launch_arm(arm, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--steps", str(args.steps), "--batch", str(args.batch),
-           "--size", str(args.size), "--workers", str(args.workers)]
+           "--size", str(args.size), "--workers", str(args.workers), "--pipeline-width", str(args.pipeline_width),
+           "--pipeline-depth", str(args.pipeline_depth), "--pipeline-stages", str(args.pipeline_stages),
+           "--pipeline-microbatches", str(args.pipeline_microbatches), *(["--cpu-ok"] if args.cpu_ok else [])]
     with tempfile.TemporaryFile("w+") as err:
         try:
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, timeout=args.arm_timeout)
@@ -246,8 +353,15 @@ def main(argv=None) -> int:
                         help="draw GPU utilisation and input wait over time for both arms (needs matplotlib). "
                              "Defaults to gpu_check.png; '' draws nothing.")
     parser.add_argument("--arms", default=",".join(_ARMS), help=f"comma-separated subset of {','.join(_ARMS)}. Defaults to all.")
-    parser.add_argument("--arm", choices=_ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=("loaders", "pipeline"), help="run only the loader arms or only the pipeline case")
+    parser.add_argument("--pipeline-width", type=int, default=4096, help="pipeline case: units per Dense layer. Defaults to 4096.")
+    parser.add_argument("--pipeline-depth", type=int, default=8, help="pipeline case: Dense layers. Defaults to 8 (134M weights).")
+    parser.add_argument("--pipeline-stages", type=int, default=2, help="pipeline case: stages, at most the GPUs. Defaults to 2.")
+    parser.add_argument("--pipeline-microbatches", type=int, default=4, help="pipeline case: micro-batches. Defaults to 4.")
+    parser.add_argument("--arm", choices=_ARMS + ("pipeline",), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.arm == "pipeline":
+        return run_pipeline_arm(args)
     if args.arm:
         return run_arm(args)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -257,6 +371,20 @@ def main(argv=None) -> int:
     if not have_smi and not args.cpu_ok:
         print("gpu_check: no NVIDIA GPU (nvidia-smi missing or failing); nothing to check.")
         return 0
+    pipeline = None
+    if args.only != "loaders":
+        skip = pipeline_skip_reason(_gpu_count(have_smi), args.cpu_ok, args.only)
+        if skip:
+            pipeline = {"arm": "pipeline", "skipped": skip}
+        else:
+            print(f"gpu_check: running the pipeline case ({args.pipeline_stages} stages, {args.pipeline_microbatches} micro-batches)...", flush=True)
+            pipeline = _launch_arm("pipeline", args)
+        if args.only == "pipeline":
+            print_pipeline(pipeline)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"args": {k: v for k, v in vars(args).items() if k != "arm"}, "pipeline": pipeline}, f, indent=2)
+            return 0 if "error" not in pipeline and pipeline.get("match", True) else 1
     sampler = _SmiSampler() if have_smi else None
     results = []
     try:
@@ -290,10 +418,14 @@ def main(argv=None) -> int:
             print(f"gpu_check: wrote {args.plot}")
         except ImportError:
             print("gpu_check: --plot needs matplotlib (pip install 'kpipe[plot]'); no figure drawn.")
+    if pipeline is not None:
+        print_pipeline(pipeline)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "arm"}, "results": results}, f, indent=2)
-    return 0 if any(r["arm"].startswith("kpipe") and "error" not in r for r in results) else 1
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "arm"}, "results": results,
+                       "pipeline": pipeline}, f, indent=2)
+    pipeline_ok = pipeline is None or ("error" not in pipeline and pipeline.get("match", True))
+    return 0 if pipeline_ok and any(r["arm"].startswith("kpipe") and "error" not in r for r in results) else 1
 
 
 if __name__ == "__main__":

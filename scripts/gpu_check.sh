@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GPU check: is the GPU kept busy? Keras multiprocessing vs kpipe.ProcessLoader feeding a
-# ResNet-style model, with nvidia-smi sampled at 10 Hz (see scripts/gpu_check.py).
+# ResNet-style model, with nvidia-smi sampled at 10 Hz (see scripts/gpu_check.py). With 2 or
+# more GPUs, also the pipeline case: a model in stages over the GPUs (kpipe.distribute.
+# pipeline_model) checked against one GPU, with each GPU's peak memory; skipped otherwise.
 #
-#   scripts/gpu_check.sh                   # defaults: 60 steps x 2 epochs per arm, < 5 minutes
+#   scripts/gpu_check.sh                   # defaults: 60 steps x 2 epochs per arm, < 7 minutes
+#   scripts/gpu_check.sh --only pipeline   # just the model-parallel case (2+ GPUs)
 #   scripts/gpu_check.sh --workers 16 --json gpu.json --plot gpu.png   # figure: utilisation over time
 #   PYTHON=/path/to/python scripts/gpu_check.sh   # use an existing environment
 #
@@ -47,5 +50,6 @@ if ! sees_gpu; then
     fi
 fi
 
-# 5-minute budget for the whole check; each arm also has its own timeout.
-exec timeout 290 "$PY" scripts/gpu_check.py "$@"
+# 9-minute budget for the whole check (four loader arms and the pipeline case); each arm also has its
+# own timeout.
+exec timeout 540 "$PY" scripts/gpu_check.py "$@"

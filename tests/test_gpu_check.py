@@ -1,5 +1,6 @@
 """scripts/gpu_check.py / gpu_check.sh: the no-GPU exit, and the utilisation-over-time figure."""
 
+import json
 import os
 import shutil
 import struct
@@ -65,3 +66,42 @@ def test_cpu_run_prints_the_table_and_draws_the_waits(tmp_path):
     assert "kpipe ProcessLoader (2 workers)" in proc.stdout and f"wrote {png}" in proc.stdout
     assert "kpipe as_dataset(device=GPU)" in proc.stdout and "kpipe-dataset-device / keras samples/s" in proc.stdout
     assert png_size(png) == (1620, 520)  # one column per arm
+
+
+def test_pipeline_case_runs_with_two_gpus_and_says_why_not_otherwise():
+    assert gpu_check.pipeline_skip_reason(2, cpu_ok=False, only=None) is None
+    assert gpu_check.pipeline_skip_reason(0, cpu_ok=True, only="pipeline") is None  # logical CPU devices
+    for gpus, cpu_ok in ((0, False), (1, False), (1, True)):
+        reason = gpu_check.pipeline_skip_reason(gpus, cpu_ok=cpu_ok, only=None)
+        assert f"lists {gpus} GPU(s)" in reason and "needs 2 or more" in reason
+
+
+def test_pipeline_report_lists_each_gpus_peak_memory(capsys):
+    gpu_check.print_pipeline({
+        "arm": "pipeline", "devices": ["/gpu:0", "/gpu:1"], "microbatches": 4, "params": 134_000_000,
+        "split": [["a"], ["b"]], "loss_one": [2.3, 2.1], "loss_pipeline": [2.3, 2.1], "max_rel_diff": 1e-7,
+        "match": True, "peak_mb_one": [2100.0, 0.0], "peak_mb_pipeline": [1100.0, 1050.0],
+        "seconds_one": 10.0, "seconds_pipeline": 12.0})
+    out = capsys.readouterr().out
+    assert "134,000,000-weight MLP in 2 stages over /gpu:0, /gpu:1, 4 micro-batches (bubble 20%)" in out
+    assert "losses match one device" in out
+    assert "/gpu:0" in out and "2,100" in out and "1,100" in out and "1,050" in out
+    gpu_check.print_pipeline({"arm": "pipeline", "skipped": "nvidia-smi lists 1 GPU(s); model parallelism needs 2"})
+    assert "gpu_check: pipeline case skipped: nvidia-smi lists 1 GPU(s)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_pipeline_case_on_logical_cpus_checks_the_losses(tmp_path):
+    out = tmp_path / "pipe.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"), "--cpu-ok", "--only", "pipeline", "--steps", "4",
+         "--batch", "16", "--pipeline-width", "32", "--pipeline-depth", "3", "--arm-timeout", "170", "--json", str(out)],
+        capture_output=True, text=True, timeout=190, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "losses match one device" in proc.stdout
+    result = json.loads(out.read_text())["pipeline"]
+    assert result["devices"] == ["/cpu:0", "/cpu:1"] and result["match"] and result["peak_mb_one"] is None
+    assert len(result["loss_one"]) == 2 and result["max_rel_diff"] < 1e-4

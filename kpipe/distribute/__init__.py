@@ -17,6 +17,8 @@ first use.
 * `ps_fit()`, `ParameterServerError` -- parameter-server training on the chief
   (`auto_strategy()` serves on `worker` and `ps` tasks).
 * `start_dispatcher()`, `start_worker()`, `via_data_service()` -- tf.data service.
+* `pipeline_model()`, `PipelineModel` -- model parallelism: a model's layers as pipeline
+  stages on several devices, trained by `fit()` with GPipe micro-batches.
 """
 
 from kpipe import _lazy
@@ -35,6 +37,8 @@ _LAZY_ATTRS = {
     "start_dispatcher": "kpipe.distribute._data_service",
     "start_worker": "kpipe.distribute._data_service",
     "via_data_service": "kpipe.distribute._data_service",
+    "pipeline_model": "kpipe.distribute._pipeline",
+    "PipelineModel": "kpipe.distribute._pipeline",
 }
 
 __all__ = sorted([

@@ -1,0 +1,686 @@
+"""Model parallelism on TensorFlow: a Keras model cut into pipeline stages on several devices,
+trained by `fit()` with GPipe micro-batches (Huang et al. 2019).
+
+NOTE [ Pipeline stages: what runs where, and why the gradients are exact ]
+--------------------------------------------------------------------------
+`pipeline_model(model, devices)` cuts the layer graph of a functional or Sequential model
+into K = len(devices) contiguous stages (in the order of `model.layers`), rebuilds each stage
+as a functional model from clones of its layers under `tf.device(devices[k])` -- so stage k's
+variables, and the optimizer slots colocated with them, live on device k -- and copies the
+weights. The returned `PipelineModel` tracks the clones in the order of `model.layers`: its
+`weights`, `get_weights()` and `.weights.h5` files are those of the unsplit model.
+
+One training step on a batch of N samples (M = `num_microbatches`)::
+
+    x --split--> x_0 .. x_{M-1}        sizes ceil/floor(N/M): any N works
+    forward   for m: h = x_m; for k: [dev k, tape T_mk] h = stage_k(h)   (acts kept)
+    loss      [dev K-1] y_pred = concat_m(h_m); loss, metrics on the WHOLE batch, as Keras
+              computes them (sample_weight, class_weight, loss weights, regularizers);
+              g = d loss / d y_pred, split back into M pieces
+    backward  for m: for k = K-1 .. 0: [dev k] (g, dW_mk) = T_mk.gradient(h_out, (h_in, W_k), g)
+    update    [dev of each variable] dW_k = sum_m dW_mk; one optimizer step
+
+Keras's `tf.function` traces this into one graph; its executor runs each op once its inputs
+are ready, so micro-batch m+1 on stage k overlaps micro-batch m on stage k+1 -- the GPipe
+schedule -- with the idle "bubble" (K-1)/(M+K-1) of each pass.
+
+With one `GradientTape` around everything, the backward ops would request no device and land
+wherever TensorFlow's placer puts them (the first GPU); a tape per stage and micro-batch,
+differentiated inside `tf.device(stage device)`, places each stage's backward pass on its own
+device. The chain rule through `output_gradients` makes sum_m dW_mk the gradient of the
+full-batch loss: exact for any loss (mean, sum, weighted), because the loss itself is
+computed once on the concatenated outputs. It is exact only while each sample's activations
+do not depend on the other samples of its micro-batch: `BatchNormalization` in training
+normalizes each micro-batch with its own statistics (a warning says so).
+
+Limits: one host; no `tf.distribute` strategy around it (an error); no XLA (`jit_compile`
+must be False: one XLA program cannot span the stages' devices); layers used more than once
+(shared layers) and activity regularizers are rejected; losses a layer adds with `add_loss`
+inside `call` are not supported.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import warnings
+
+import keras
+import tensorflow as tf
+
+_FLOAT_KINDS = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStage:
+    """One stage of a `PipelineModel`.
+
+    Attributes:
+        index: Position of the stage, 0 for the one that takes the model's inputs.
+        device: The device its variables, forward and backward pass are on
+            (`"/device:GPU:1"`).
+        model: A functional `keras.Model` of this stage's layers; its inputs are the
+            tensors that cross the cut before it.
+        layer_names: Names of the original model's layers in this stage.
+        params: Number of weights (trainable or not) in this stage.
+    """
+
+    index: int
+    device: str
+    model: "keras.Model"
+    layer_names: tuple
+    params: int
+
+
+class PipelineModel(keras.Model):
+    """A Keras model whose layers run as pipeline stages on several devices.
+
+    Made by `pipeline_model()`; compile and train it like the model it was made from.
+    `fit()`, `evaluate()` and `predict()` cut each batch into `num_microbatches`
+    micro-batches that flow through the stages (GPipe): see the NOTE at the top of
+    `kpipe/distribute/_pipeline.py`. Its `layers`, `weights` and weight files are those
+    of the unsplit model. Not to be shared across processes; like any Keras model it may
+    be read from several threads but trained from one.
+    """
+
+    def __init__(self, stages, layers, num_microbatches, name=None):
+        super().__init__(name=name)
+        self._pipe = _Pipeline(tuple(stages), num_microbatches)  # plain object: not tracked
+        # The clones, in the original `model.layers` order: `weights` and the weight files'
+        # paths (`layers/<class>_<i>/vars/<j>`) are then those of the unsplit model.
+        self._pipeline_layers = list(layers)
+        self.built = True
+
+    @property
+    def stages(self):
+        """The `PipelineStage`s, first to last (a tuple)."""
+        return self._pipe.stages
+
+    @property
+    def stage_devices(self):
+        """The stages' devices, first to last (a tuple of strings)."""
+        return tuple(s.device for s in self._pipe.stages)
+
+    @property
+    def num_microbatches(self):
+        """Micro-batches each batch is cut into (an int)."""
+        return self._pipe.num_microbatches
+
+    def compile(self, *args, jit_compile=False, **kwargs):
+        """`keras.Model.compile`, without XLA (`jit_compile` must be False or "auto").
+
+        Also builds the optimizer, so that its slots (momenta...) live on their variables'
+        devices.
+        """
+        if jit_compile not in (False, "auto", None):
+            raise ValueError(
+                f"`jit_compile` must be False for a PipelineModel. Received: jit_compile={jit_compile!r}. "
+                "XLA compiles a step into one program for one device, which would undo the placement "
+                "of the stages; leave `jit_compile` unset.")
+        _check_no_strategy("compile")
+        super().compile(*args, jit_compile=False, **kwargs)
+        if self.optimizer is not None and not self.optimizer.built:
+            # Now, eagerly: Keras would build it while tracing the first step, where the
+            # optimizer's slots are not colocated with their variables (all land on the
+            # default device). Built here, each slot lives on its variable's device.
+            self.optimizer.build(self.trainable_variables)
+
+    def get_config(self):
+        raise NotImplementedError(
+            f"A PipelineModel ({self.name!r}) has no config: it is saved as weights. Use "
+            "`save_weights('w.weights.h5')`, and for a whole `.keras` file load those weights into the "
+            "unsplit model (`model = build(); model.load_weights('w.weights.h5'); model.save('m.keras')`).")
+
+    @functools.wraps(keras.Model.fit)
+    def fit(self, *args, **kwargs):
+        _check_no_strategy("train")
+        return super().fit(*args, **kwargs)
+
+    @functools.wraps(keras.Model.evaluate)
+    def evaluate(self, *args, **kwargs):
+        _check_no_strategy("evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    @functools.wraps(keras.Model.predict)
+    def predict(self, *args, **kwargs):
+        _check_no_strategy("predict")
+        return super().predict(*args, **kwargs)
+
+    def call(self, inputs, training=None):
+        # The whole batch through the stages in turn (direct calls, symbolic builds).
+        h = inputs
+        for stage in self._pipe.stages:
+            with tf.device(stage.device):
+                h = stage.model(h, training=training)
+        return h
+
+    def train_step(self, data):
+        _check_no_strategy("train")
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        pipe = self._pipe
+        sizes = pipe.microbatch_sizes(x)
+        records, outputs = pipe.forward_with_tapes(pipe.split(x, sizes, pipe.stages[0].device))
+        trainable = self.trainable_variables
+        with tf.device(pipe.stages[-1].device), tf.name_scope("pipeline_loss"):
+            y_pred = _concat(outputs)
+            flat_pred = tf.nest.flatten(y_pred)
+            with tf.GradientTape() as tape:
+                tape.watch(flat_pred)
+                loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+                self._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
+                if self.optimizer is not None:
+                    loss = self.optimizer.scale_loss(loss)
+            grads = tape.gradient(loss, flat_pred + list(trainable))
+            pred_grads = [pipe.split(g, sizes) if g is not None else [None] * pipe.num_microbatches
+                          for g in grads[: len(flat_pred)]]
+        if trainable:
+            direct = dict(zip(map(id, trainable), grads[len(flat_pred):]))  # weight regularizers
+            per_var = pipe.backward(records, [list(g) for g in zip(*pred_grads)])
+            gradients = []
+            for var in trainable:
+                terms = [g for g in per_var.get(id(var), []) + [direct[id(var)]] if g is not None]
+                with tf.device(_device_of(var)):
+                    gradients.append(tf.add_n(terms) if len(terms) > 1 else terms[0] if terms else None)
+            _place_updates_with_variables(self.optimizer)
+            self.optimizer.apply_gradients(zip(gradients, trainable))
+        else:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def test_step(self, data):
+        _check_no_strategy("evaluate")
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self._pipe.forward(x)
+        with tf.device(self._pipe.stages[-1].device):
+            loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+            self._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def predict_step(self, data):
+        _check_no_strategy("predict")
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        return self._pipe.forward(x)
+
+
+class _Pipeline:
+    """The stages and the micro-batch schedule (graph-building code, no Keras state)."""
+
+    def __init__(self, stages, num_microbatches):
+        self.stages, self.num_microbatches = stages, num_microbatches
+
+    def microbatch_sizes(self, x):
+        """M sizes that sum to the batch size and differ by at most one (an int32 tensor)."""
+        with tf.device(self.stages[0].device):
+            n, m = _batch_size(x), self.num_microbatches
+            return n // m + tf.cast(tf.range(m) < n % m, tf.int32)
+
+    def split(self, x, sizes, device=None):
+        """`x` (a nest of tensors) cut along axis 0 into a list of M nests, on `device`
+        (None: the device scope of the caller)."""
+        with tf.device(device) if device else contextlib.nullcontext():
+            pieces = [tf.split(t, sizes, num=self.num_microbatches, axis=0) for t in tf.nest.flatten(x)]
+        return [tf.nest.pack_sequence_as(x, [p[m] for p in pieces]) for m in range(self.num_microbatches)]
+
+    def forward(self, x):
+        """Inference: every micro-batch through every stage, outputs joined on the last device."""
+        outputs = []
+        for h in self.split(x, self.microbatch_sizes(x), self.stages[0].device):
+            for stage in self.stages:
+                with tf.device(stage.device), tf.name_scope(f"pipeline_stage_{stage.index}"):
+                    h = stage.model(h, training=False)
+            outputs.append(h)
+        with tf.device(self.stages[-1].device):
+            return _concat(outputs)
+
+    def forward_with_tapes(self, microbatches):
+        """Training forward pass, one tape per (micro-batch, stage).
+
+        Returns `(records, outputs)`: `records[m][k]` is `(tape, flat inputs, indices of the
+        float inputs, flat outputs)` of stage k on micro-batch m; `outputs[m]` the last
+        stage's output nest.
+        """
+        records, outputs = [], []
+        for h in microbatches:
+            row = []
+            for stage in self.stages:
+                flat_in = tf.nest.flatten(h)
+                floats = [i for i, t in enumerate(flat_in) if stage.index > 0 and t.dtype.name in _FLOAT_KINDS]
+                with tf.device(stage.device), tf.name_scope(f"pipeline_stage_{stage.index}"):
+                    with tf.GradientTape(watch_accessed_variables=False) as tape:
+                        tape.watch([flat_in[i] for i in floats])
+                        tape.watch([v.value for v in stage.model.trainable_variables])
+                        h = stage.model(h, training=True)
+                row.append((tape, flat_in, floats, tf.nest.flatten(h)))
+            records.append(row)
+            outputs.append(h)
+        return records, outputs
+
+    def backward(self, records, output_grads):
+        """Back-propagates `output_grads[m]` (flat, per micro-batch) through every stage.
+
+        Returns `{id(variable): [gradient of each micro-batch]}`. Stage k's backward ops are
+        built under `tf.device(stage k's device)`; TensorFlow names them after the forward
+        ops they differentiate: `gradient_tape/pipeline_stage_<k>/...`.
+        """
+        per_var = {}
+        for row, grads in zip(records, output_grads):
+            for stage, (tape, flat_in, floats, flat_out) in zip(reversed(self.stages), reversed(row)):
+                variables = list(stage.model.trainable_variables)
+                with tf.device(stage.device):
+                    grads = [tf.zeros_like(o) if g is None else g for o, g in zip(flat_out, grads)]
+                    result = tape.gradient(flat_out, [flat_in[i] for i in floats] + variables,
+                                           output_gradients=grads)
+                for var, g in zip(variables, result[len(floats):]):
+                    per_var.setdefault(id(var), []).append(g)
+                grads = [None] * len(flat_in)
+                for i, g in zip(floats, result[: len(floats)]):
+                    grads[i] = g
+        return per_var
+
+
+def pipeline_model(model, devices, *, split_at=None, num_microbatches=4):
+    """Cuts a Keras model into pipeline stages, one per device, trained with GPipe micro-batches.
+
+    Stage k holds a contiguous run of `model.layers`; its variables (and the optimizer's
+    slots for them) are created on `devices[k]`, and the forward and backward passes of
+    each micro-batch through it run there. `fit()`, `evaluate()` and `predict()` of the
+    returned model cut every batch into `num_microbatches` micro-batches that flow
+    through the stages, so the devices work at the same time on different micro-batches;
+    the idle share ("bubble") of each pass is (K-1)/(M+K-1) for K stages and M
+    micro-batches.
+
+    The loss, `sample_weight`, `class_weight`, loss weights, weight regularizers and
+    metrics are computed once per batch, on the last stage's device, from the
+    concatenated outputs -- exactly as the unsplit model computes them -- and the
+    gradients of the micro-batches are summed, which is the full-batch gradient for any
+    loss (mean or not) and any batch size (the micro-batch sizes differ by at most one;
+    a batch smaller than M leaves some empty). One optimizer update per batch. The
+    exception: `BatchNormalization` in training normalizes each micro-batch with its own
+    statistics and updates its moving averages once per micro-batch (warned).
+
+    The model given is left as it is (its variables are not moved): to keep memory for
+    the stages, build it on the host (`with tf.device("/cpu:0"): model = build()`) and
+    drop it once the pipeline model exists.
+
+    Args:
+        model: A built functional or Sequential `keras.Model`, not compiled or compiled
+            (the result is not compiled either way: compile it).
+        devices: The stages' devices, first to last, as TensorFlow names
+            (`["/gpu:0", "/gpu:1"]`); logical devices count. `len(devices)` is the
+            number of stages, >= 1; a device may appear twice.
+        split_at: Names of the layers that end stages 0 .. K-2 (the cut is right after
+            each, and what crosses it is that layer's output: one tensor or a tuple of
+            tensors), in model order; a string for two stages. Defaults to None: cut
+            where the stages' weight counts are most even.
+        num_microbatches: Micro-batches per batch, >= 1. Defaults to 4.
+
+    Returns:
+        A `PipelineModel`: a `keras.Model` with the same layers (by class and name),
+        weights and weight order as `model`; `save_weights` / `load_weights` files are
+        interchangeable with `model`'s.
+
+    Raises:
+        ValueError: `devices`, `split_at` or `num_microbatches` is not valid; a cut
+            crosses more than the cut layer's output (a skip connection across it, a
+            parallel branch, a model output from an earlier stage); a layer is shared
+            or has an activity regularizer.
+        RuntimeError: called under a `tf.distribute` strategy scope.
+        TypeError: `model` is not a built functional or Sequential Keras model.
+
+    Example:
+
+    >>> import keras, numpy as np, kpipe.distribute
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="a"),
+    ...                           keras.layers.Dense(1, name="b")])
+    >>> piped = kpipe.distribute.pipeline_model(model, ["/cpu:0", "/cpu:0"], split_at="a",
+    ...                                         num_microbatches=2)
+    >>> [s.layer_names for s in piped.stages]
+    [('a',), ('b',)]
+    >>> piped.compile("sgd", "mse")
+    >>> piped.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0).history["loss"][0] >= 0
+    True
+    """
+    _check_no_strategy("build")
+    devices = _resolve_devices(devices)
+    num_microbatches = _check_microbatches(num_microbatches)
+    graph, public_layers = _graph_of(model)
+    ops = _ordered_nodes(model.name, graph)
+    _check_layers(model, ops, num_microbatches)
+    cuts = _resolve_cuts(model.name, graph, ops, split_at, len(devices))
+    bounds = [-1, *cuts, len(ops) - 1]
+    stages, clones = [], {}
+    crossing = graph.inputs
+    for k, device in enumerate(devices):
+        nodes = ops[bounds[k] + 1 : bounds[k + 1] + 1]
+        last = k == len(devices) - 1
+        out = graph.outputs if last else _crossing(graph, ops, bounds[k + 1])
+        stage_model = _build_stage(graph, nodes, crossing, out, k, last, device, f"{model.name}_stage_{k}", clones)
+        names = tuple(n.operation.name for n in nodes if isinstance(n.operation, keras.layers.Layer)
+                      and not isinstance(n.operation, keras.layers.InputLayer))
+        stages.append(PipelineStage(k, device, stage_model, names, int(sum(_params(n) for n in nodes))))
+        crossing = out
+    return PipelineModel(stages, [clones[id(layer)] for layer in public_layers], num_microbatches, name=model.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _check_no_strategy(what):
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        raise RuntimeError(
+            f"Cannot {what} a pipeline model under a `{type(strategy).__name__}` scope. Pipeline "
+            "stages (model parallelism) cannot be combined with a tf.distribute strategy "
+            "(MirroredStrategy, MultiWorkerMirroredStrategy) here: build, compile and fit the "
+            "pipeline model outside any `strategy.scope()`, and give `pipeline_model` all the "
+            "devices instead.")
+
+
+def _resolve_devices(devices):
+    if isinstance(devices, str) or not hasattr(devices, "__len__") or len(devices) == 0:
+        raise ValueError(
+            f"`devices` must be a non-empty list of device names, one per stage. Received: devices={devices!r}. "
+            f"For example devices=['/gpu:0', '/gpu:1']; available here: {_available_devices()}.")
+    resolved = []
+    for i, name in enumerate(devices):
+        spec = None
+        if isinstance(name, str):
+            try:
+                spec = tf.DeviceSpec.from_string(name)
+            except ValueError:
+                spec = None
+        canonical = (f"/device:{spec.device_type.upper()}:{spec.device_index}"
+                     if spec is not None and spec.device_type and spec.device_index is not None
+                     and spec.job in (None, "localhost") and (spec.task or 0) == 0 else None)
+        if canonical not in _available_devices():
+            raise ValueError(
+                f"`devices[{i}]` is not a device of this process. Received: devices[{i}]={name!r}. "
+                f"Available: {_available_devices()} (type and index, e.g. '/gpu:1'; logical "
+                "devices count; pipeline stages run on one host).")
+        resolved.append(canonical)
+    return resolved
+
+
+def _available_devices():
+    return [d.name for d in tf.config.list_logical_devices()]
+
+
+def _check_microbatches(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`num_microbatches` must be an int >= 1. Received: num_microbatches={value!r}. "
+            "Use 1 to run each batch whole through the stages, 4-8 to keep the devices busy.")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer graph and its cuts
+
+
+def _graph_of(model):
+    """`(functional graph, model.layers)` of a functional or Sequential model."""
+    if isinstance(model, keras.Sequential):
+        graph = getattr(model, "_functional", None)
+        if graph is None:
+            raise TypeError(
+                f"`model` must be built: Sequential model {model.name!r} has no input shape yet. "
+                "Start it with `keras.Input(shape)` (or call it on a batch) before `pipeline_model`.")
+        return graph, model.layers
+    if isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth") and hasattr(model, "_operations"):
+        return model, model.layers
+    raise TypeError(
+        f"`model` must be a functional or Sequential keras.Model. Received: {type(model).__name__} "
+        f"{str(model)[:100]}. A subclassed model has no layer graph to cut: rebuild it as a functional "
+        "model (keras.Model(inputs, outputs)) or a Sequential.")
+
+
+def _ordered_nodes(model_name, graph):
+    """The graph's nodes in topological order, ties kept in `graph._operations` order."""
+    nodes = [n for depth in graph._nodes_by_depth.values() for n in depth]
+    seen = {}
+    for node in nodes:
+        if id(node.operation) in seen:
+            raise ValueError(
+                f"Layer {node.operation.name!r} is used more than once in model {model_name!r} (a shared "
+                "layer); `pipeline_model` cannot cut a model with shared layers. Give each use its own layer.")
+        seen[id(node.operation)] = node
+    rank = {id(op): i for i, op in enumerate(graph._operations)}
+    producer = {id(t): n for n in nodes for t in n.outputs}
+    ordered, done = [], set()
+    pending = sorted(nodes, key=lambda n: rank.get(id(n.operation), len(rank)))
+    while pending:
+        ready = next(n for n in pending if all(id(producer[id(t)]) in done for t in n.input_tensors
+                                               if id(t) in producer))
+        pending.remove(ready)
+        ordered.append(ready)
+        done.add(id(ready))
+    return ordered
+
+
+def _crossing(graph, ops, position):
+    """Tensors made at or before `ops[position]` and used after it (or model outputs)."""
+    made = {id(t): t for n in ops[: position + 1] for t in n.outputs}
+    made.update({id(t): t for t in graph.inputs})
+    used = [t for n in ops[position + 1 :] for t in n.input_tensors] + list(graph.outputs)
+    crossing = {}
+    for t in used:
+        if id(t) in made:
+            crossing.setdefault(id(t), t)
+    return list(crossing.values())
+
+
+def _cut_problem(graph, ops, position):
+    """Why the graph cannot be cut right after `ops[position]`, or None if it can."""
+    node = ops[position]
+    crossing = _crossing(graph, ops, position)
+    if isinstance(node.operation, keras.layers.InputLayer):
+        return "it is an input layer (a stage needs at least one layer)"
+    if position == len(ops) - 1:
+        return "it is the model's last layer (the last stage would be empty)"
+    if {id(t) for t in crossing} == {id(t) for t in node.outputs}:
+        return None
+    owner = {id(t): n.operation.name for n in ops for t in n.outputs}
+    extra = [t for t in crossing if id(t) not in {id(o) for o in node.outputs}]
+    users = {id(t): [n.operation.name for n in ops[position + 1 :] if any(u is t for u in n.input_tensors)]
+             for t in extra}
+    where = "; ".join(
+        f"the output of {owner.get(id(t), 'the model input')!r} is used by "
+        + (", ".join(repr(u) for u in users[id(t)]) if users[id(t)] else "the model's outputs")
+        for t in extra)
+    return (f"more than its output would cross the cut: {where} (a skip connection or a parallel branch "
+            "across the cut). A cut must cross one tensor or one tuple of tensors made by the cut layer: "
+            "cut before the branch starts or after it joins")
+
+
+def _resolve_cuts(model_name, graph, ops, split_at, stages):
+    """Positions in `ops` after which each of the `stages - 1` cuts goes."""
+    if stages == 1:
+        if split_at not in (None, [], ()):
+            raise ValueError(f"`split_at` must be None for one device. Received: split_at={split_at!r}.")
+        return []
+    if split_at is None:
+        return _balanced_cuts(model_name, graph, ops, stages)
+    names = [split_at] if isinstance(split_at, str) else list(split_at)
+    if len(names) != stages - 1 or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"`split_at` must name {stages - 1} layer(s) for {stages} devices (the last layer of each stage "
+            f"but the last). Received: split_at={split_at!r}. Or pass split_at=None to balance the stages.")
+    position = {n.operation.name: i for i, n in enumerate(ops)}
+    cuts = []
+    for i, name in enumerate(names):
+        if name not in position:
+            raise ValueError(
+                f"`split_at[{i}]` is not a layer of model {model_name!r}. Received: {name!r}. "
+                f"Layers: {[n.operation.name for n in ops][:50]}.")
+        problem = _cut_problem(graph, ops, position[name])
+        if problem:
+            raise ValueError(f"Cannot cut model {model_name!r} after layer {name!r} (`split_at[{i}]`): {problem}.")
+        if cuts and position[name] <= cuts[-1]:
+            raise ValueError(
+                f"`split_at` must list layers in model order. Received: {names!r}: {name!r} does not come "
+                f"after {names[i - 1]!r}.")
+        cuts.append(position[name])
+    return cuts
+
+
+def _balanced_cuts(model_name, graph, ops, stages):
+    """The valid cuts that make the largest stage's weight count smallest."""
+    candidates = [p for p in range(len(ops) - 1) if _cut_problem(graph, ops, p) is None]
+    if len(candidates) < stages - 1:
+        raise ValueError(
+            f"Model {model_name!r} has {len(candidates)} place(s) where it can be cut into stages (after "
+            f"{[ops[p].operation.name for p in candidates]}) but {stages} devices need {stages - 1}. Use "
+            "fewer devices, or pass `split_at`: a cut must cross one tensor or one tuple of tensors.")
+    prefix = [0]
+    for node in ops:
+        prefix.append(prefix[-1] + _params(node))
+    ends = candidates + [len(ops) - 1]
+
+    def weight(a, b):  # params in ops (a, b]
+        return prefix[b + 1] - prefix[a + 1]
+
+    # best[j][i]: (largest stage, sum of squares, cuts) for j+1 stages ending at ends[i].
+    best = [{i: (weight(-1, e), weight(-1, e) ** 2, []) for i, e in enumerate(ends)}]
+    for j in range(1, stages):
+        row = {}
+        for i, e in enumerate(ends):
+            options = [(max(big, weight(ends[h], e)), sq + weight(ends[h], e) ** 2, cuts + [ends[h]])
+                       for h, (big, sq, cuts) in best[-1].items() if h < i]
+            if options:
+                row[i] = min(options, key=lambda o: (o[0], o[1]))
+        best.append(row)
+    return best[stages - 1][len(ends) - 1][2]
+
+
+def _params(node):
+    op = node.operation
+    return op.count_params() if isinstance(op, keras.layers.Layer) and op.built else 0
+
+
+def _check_layers(model, ops, num_microbatches):
+    warned = False
+    for layer in _all_layers([n.operation for n in ops]):
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise ValueError(
+                f"Layer {layer.name!r} has an activity regularizer, which `pipeline_model` does not support "
+                "(its loss is made inside a stage, per micro-batch). Remove it, or regularize the weights.")
+        if num_microbatches > 1 and isinstance(layer, keras.layers.BatchNormalization) and not warned:
+            warned = True
+            warnings.warn(
+                f"Layer {layer.name!r} of model {model.name!r} is a BatchNormalization: in training it "
+                f"normalizes each of the {num_microbatches} micro-batches with that micro-batch's own "
+                "statistics and updates its moving averages once per micro-batch, so training differs "
+                "from the unsplit model (and a batch smaller than `num_microbatches` leaves empty "
+                "micro-batches, whose statistics are NaN). Use num_microbatches=1 for the same "
+                "statistics, or LayerNormalization/GroupNormalization.", UserWarning, stacklevel=3)
+
+
+def _all_layers(operations):
+    for op in operations:
+        if isinstance(op, keras.layers.Layer):
+            yield op
+            inner = getattr(op, "layers", None)
+            if isinstance(op, keras.Model) and inner:
+                yield from _all_layers(inner)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a stage
+
+
+def _build_stage(graph, nodes, inputs, outputs, index, last, device, name, clones):
+    """A functional model of `nodes` (clones of their layers) with its variables on `device`.
+
+    `inputs` / `outputs` are the original graph's tensors that cross into / out of the
+    stage; `clones` maps `id(original layer)` to its clone and is filled in here.
+    """
+    tensors = {}
+    with tf.device(device):
+        if index == 0:
+            new_inputs = []
+            for t in inputs:
+                layer = t._keras_history[0]
+                new_inputs.append(keras.Input(batch_shape=(None, *t.shape[1:]), dtype=t.dtype, name=layer.name))
+                clones[id(layer)] = new_inputs[-1]._keras_history[0]
+            stage_inputs = tf.nest.pack_sequence_as(graph._inputs_struct, new_inputs)
+        else:
+            new_inputs = [keras.Input(batch_shape=(None, *t.shape[1:]), dtype=t.dtype, name=f"{name}_input_{i}")
+                          for i, t in enumerate(inputs)]
+            stage_inputs = new_inputs[0] if len(new_inputs) == 1 else new_inputs
+        tensors.update({id(t): n for t, n in zip(inputs, new_inputs)})
+        for node in nodes:
+            op = node.operation
+            if node.is_input:
+                continue
+            args, kwargs = node.arguments.fill_in(tensors)
+            if isinstance(op, keras.layers.Layer):
+                clones[id(op)] = clone = _clone_layer(op)
+                result = clone(*args, **kwargs)
+            else:  # a stateless keras.ops operation of the functional graph
+                result = op(*args, **kwargs)
+            tensors.update({id(t): r for t, r in zip(node.outputs, tf.nest.flatten(result))})
+        if last:
+            stage_outputs = tf.nest.pack_sequence_as(graph._outputs_struct, [tensors[id(t)] for t in outputs])
+        else:
+            flat = [tensors[id(t)] for t in outputs]
+            stage_outputs = flat[0] if len(flat) == 1 else flat
+        stage = keras.Model(stage_inputs, stage_outputs, name=name)
+    for node in nodes:
+        op = node.operation
+        if isinstance(op, keras.layers.Layer) and not node.is_input:
+            clones[id(op)].set_weights(op.get_weights())
+    return stage
+
+
+def _clone_layer(layer):
+    try:
+        return layer.__class__.from_config(layer.get_config())
+    except Exception as e:  # noqa: BLE001 - re-raised with the layer's name and the fix
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) cannot be re-created on a stage's device: "
+            f"`from_config(get_config())` failed with {type(e).__name__}: {str(e)[:300]}. Give the layer a "
+            "`get_config()` that returns its constructor arguments.") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _concat(nests):
+    if len(nests) == 1:
+        return nests[0]
+    return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *nests)
+
+
+def _batch_size(x):
+    return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+
+
+def _device_of(variable):
+    """The device of a Keras variable or of the `tf.Variable` Keras's optimizer passes."""
+    value = getattr(variable, "value", None)  # a method on a tf.Variable
+    return value.device if isinstance(value, tf.Variable) else variable.device
+
+
+def _place_updates_with_variables(optimizer):
+    """Runs the optimizer's per-variable update under `tf.device(variable's device)`.
+
+    Keras's TensorFlow optimizer builds each variable's update (`update_step`) without a
+    device: its reads and writes follow the variable, but the arithmetic between them
+    would go where the placer puts unplaced ops (the first GPU). Wrapping the instance's
+    `update_step` (the innermost optimizer of a LossScaleOptimizer) keeps each stage's
+    update on its stage's device. Idempotent.
+    """
+    inner = optimizer
+    while getattr(inner, "inner_optimizer", None) is not None:
+        inner = inner.inner_optimizer
+    if getattr(inner, "_kpipe_update_on_variable_device", False):
+        return
+    update_step = inner.update_step
+
+    def placed_update_step(gradient, variable, learning_rate):
+        with tf.device(_device_of(variable)):
+            return update_step(gradient, variable, learning_rate)
+
+    inner.update_step = placed_update_step
+    inner._kpipe_update_on_variable_device = True
