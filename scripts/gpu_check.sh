@@ -4,7 +4,7 @@
 # more GPUs, also the pipeline case: a model in stages over the GPUs (kpipe.distribute.
 # pipeline_model) checked against one GPU, with each GPU's peak memory; skipped otherwise.
 #
-#   scripts/gpu_check.sh                   # defaults: 60 steps x 2 epochs per arm, < 7 minutes
+#   scripts/gpu_check.sh                   # defaults: 60 steps x 2 epochs per arm, < 9 minutes
 #   scripts/gpu_check.sh --only pipeline   # just the model-parallel case (2+ GPUs)
 #   scripts/gpu_check.sh --workers 16 --json gpu.json --plot gpu.png   # figure: utilisation over time
 #   PYTHON=/path/to/python scripts/gpu_check.sh   # use an existing environment
