@@ -45,21 +45,31 @@ def main(argv=None):
     x = rng.rand(N_SAMPLES, 4).astype("float32")
     y = (x[:, 0] + x[:, 2] > 1.0).astype("int32")
 
-    def run(strategy):
+    from keras.src.trainers import data_adapters
+
+    def feed_of(loader):
+        """kpipe's feed factory for `loader` (None where Keras < 3.7 reads tf.data)."""
+        if not kpipe._compat.keras_at_least(kpipe._compat.KERAS_ITERABLE_TRAIN_FUNCTION):
+            return None
+        return data_adapters.get_data_adapter(loader)._kpipe_feed
+
+    def run(strategy, workers=2, after=None):
+        """Losses and weights of the 3-epoch fit under `strategy`, and `after(loader)`."""
         with strategy.scope():
             keras.utils.set_random_seed(3)
             model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
                                       keras.layers.Dense(2)])
             model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        with kpipe.ProcessLoader(ContiguousBatches(x, y, BATCH), workers=2) as loader:
+        with kpipe.ProcessLoader(ContiguousBatches(x, y, BATCH), workers=workers) as loader:
             history = model.fit(loader, epochs=3, verbose=0, shuffle=False,
                                 class_weight={0: 3.0, 1: 1.0})
-        return history.history["loss"], model.get_weights()
+            extra = after(loader) if after is not None else None
+        return history.history["loss"], model.get_weights(), extra
 
     mirrored = kpipe.distribute.auto_strategy(devices=["/cpu:0", "/cpu:1"])
-    loss_2, weights_2 = run(mirrored)
-    loss_1, weights_1 = run(tf.distribute.get_strategy())
+    loss_2, weights_2, _ = run(mirrored)
+    loss_1, weights_1, _ = run(tf.distribute.get_strategy())
     diff = max(float(np.abs(a - b).max()) for a, b in zip(weights_1, weights_2))
 
     def odd_batches(data):
@@ -73,10 +83,8 @@ def main(argv=None):
     with kpipe.ProcessLoader(WithLastPartial(xo, yo, 6), workers=1) as loader:
         loss_loader_odd = odd_batches(loader)
         placement = []
-        from keras.src.trainers import data_adapters
-
-        feed = getattr(data_adapters.get_data_adapter(loader), "_kpipe_feed", None)
-        if feed is not None and kpipe._compat.keras_at_least(kpipe._compat.KERAS_ITERABLE_TRAIN_FUNCTION):
+        feed = feed_of(loader)
+        if feed is not None:
             *_, batch = feed(mirrored)
             for part_x, part_y in zip(mirrored.experimental_local_results(batch[0]),
                                       mirrored.experimental_local_results(batch[1])):
@@ -87,20 +95,13 @@ def main(argv=None):
 
     # One replica on the second device: batches are copied there ahead of the step.
     one = tf.distribute.OneDeviceStrategy("/cpu:1")
-    with kpipe.ProcessLoader(ContiguousBatches(x, y, BATCH), workers=1) as loader:
-        with one.scope():
-            keras.utils.set_random_seed(3)
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
-                                      keras.layers.Dense(2)])
-            model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        loss_one_device = model.fit(loader, epochs=3, verbose=0, shuffle=False,
-                                    class_weight={0: 3.0, 1: 1.0}).history["loss"]
-        feed = getattr(data_adapters.get_data_adapter(loader), "_kpipe_feed", None)
-        fed_on = None
-        if feed is not None and kpipe._compat.keras_at_least(kpipe._compat.KERAS_ITERABLE_TRAIN_FUNCTION):
-            fed_on = [t.device for t in next(feed(one))]
-        as_dataset_on = [t.device for t in next(iter(loader.as_dataset(device="/cpu:1")))]
+
+    def devices_fed(loader):
+        feed = feed_of(loader)
+        fed_on = None if feed is None else [t.device for t in next(feed(one))]
+        return fed_on, [t.device for t in next(iter(loader.as_dataset(device="/cpu:1")))]
+
+    loss_one_device, _, (fed_on, as_dataset_on) = run(one, workers=1, after=devices_fed)
     with open(out, "w") as f:
         json.dump({"replicas": mirrored.num_replicas_in_sync,
                    "strategy": type(mirrored).__name__, "loss_2_devices": loss_2,
