@@ -871,22 +871,15 @@ def _keep_alive(ds, loader):
 
 def _check_device(device):
     """`device` as TensorFlow's canonical name, or a ValueError listing the devices."""
-    import tensorflow as tf
+    from kpipe import _devices
 
-    names = [d.name for d in tf.config.list_logical_devices()]
-    try:
-        spec = tf.DeviceSpec.from_string(device) if isinstance(device, str) else None
-    except (ValueError, TypeError):
-        spec = None
-    if spec is not None and spec.device_type is not None:
-        for name in names:
-            other = tf.DeviceSpec.from_string(name)
-            if other.device_type == spec.device_type.upper() and other.device_index == (spec.device_index or 0):
-                return name
+    name = _devices.local_device(device)
+    if name is not None:
+        return name
     raise ValueError(
         f"`device` must name a device of this process. Received: device={device!r}. "
-        f"Available: {', '.join(names)}. Pass one of them (e.g. '/gpu:0'), or device=None to leave "
-        "batches on the host."
+        f"Available: {', '.join(_devices.available())}. Pass one of them (e.g. '/gpu:0'), or device=None to "
+        "leave batches on the host."
     )
 
 

@@ -47,6 +47,8 @@ import warnings
 import keras
 import tensorflow as tf
 
+from kpipe import _devices
+
 _FLOAT_KINDS = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -380,29 +382,17 @@ def _resolve_devices(devices):
     if isinstance(devices, str) or not hasattr(devices, "__len__") or len(devices) == 0:
         raise ValueError(
             f"`devices` must be a non-empty list of device names, one per stage. Received: devices={devices!r}. "
-            f"For example devices=['/gpu:0', '/gpu:1']; available here: {_available_devices()}.")
+            f"For example devices=['/gpu:0', '/gpu:1']; available here: {_devices.available()}.")
     resolved = []
     for i, name in enumerate(devices):
-        spec = None
-        if isinstance(name, str):
-            try:
-                spec = tf.DeviceSpec.from_string(name)
-            except ValueError:
-                spec = None
-        canonical = (f"/device:{spec.device_type.upper()}:{spec.device_index}"
-                     if spec is not None and spec.device_type and spec.device_index is not None
-                     and spec.job in (None, "localhost") and (spec.task or 0) == 0 else None)
-        if canonical not in _available_devices():
+        canonical = _devices.local_device(name, require_index=True)
+        if canonical is None:
             raise ValueError(
                 f"`devices[{i}]` is not a device of this process. Received: devices[{i}]={name!r}. "
-                f"Available: {_available_devices()} (type and index, e.g. '/gpu:1'; logical "
+                f"Available: {_devices.available()} (type and index, e.g. '/gpu:1'; logical "
                 "devices count; pipeline stages run on one host).")
         resolved.append(canonical)
     return resolved
-
-
-def _available_devices():
-    return [d.name for d in tf.config.list_logical_devices()]
 
 
 def _check_microbatches(value):
