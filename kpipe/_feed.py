@@ -79,7 +79,7 @@ def to_tensor(array):
 
 class _Placement:
     """Where a batch goes for `strategy`: whole to one replica (copied to its device
-    when that is not a CPU), or split over several local replicas."""
+    when that is not the host's first CPU), or split over several local replicas."""
 
     def __init__(self, strategy):
         devices = _local_devices(strategy)
@@ -100,11 +100,12 @@ class _Placement:
                     data = tf.nest.map_structure(_copy, data)
             return data
         local = len(self.devices)
+        parts = [_split_rows(a, local) for a in tf.nest.flatten(data)]
         per_replica = []
         for r, device in enumerate(self.devices):
-            part = tf.nest.map_structure(lambda a: _leaf_tensor(_split_rows(a, local)[r]), data)
+            leaves = [_leaf_tensor(p[r]) for p in parts]
             with tf.device(device):
-                per_replica.append(tf.nest.map_structure(_copy, part))
+                per_replica.append(tf.nest.pack_sequence_as(data, [_copy(t) for t in leaves]))
         return self.strategy.experimental_distribute_values_from_function(
             lambda ctx: per_replica[ctx.replica_id_in_sync_group % local]
         )
@@ -236,11 +237,6 @@ class Feed:
                         "kpipe's feed thread ended without a batch, an end or an error: this is a bug in "
                         "kpipe; please report it with the traceback above (if any)."
                     ) from None
-
-    def close(self):
-        """Stops the thread (it finishes the batch it is reading, if any)."""
-        self._stop.set()
-        self._done = True
 
 
 def _produce(stream, ref, standardize, place, out, stop):
