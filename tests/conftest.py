@@ -45,6 +45,20 @@ def feed_threads(wait_s=3.0):
         time.sleep(0.05)
 
 
+@pytest.fixture
+def ctrl_c():
+    """Makes SIGINT raise KeyboardInterrupt in this test, as it does in a terminal. A
+    process started in the background by a shell without job control (`cmd &` in a
+    script, some CI runners) inherits SIGINT ignored, and Python then installs no handler."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def shm_entries():
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 

@@ -383,7 +383,7 @@ def _leaves(tree):
     return _tree.flatten(tree)[1]
 
 
-def test_ctrl_c_during_a_batch_wait_frees_that_batchs_slot(no_leaks):
+def test_ctrl_c_during_a_batch_wait_frees_that_batchs_slot(ctrl_c, no_leaks):
     backend = _backend(Slow(slow=1, seconds=1.5), "spawn", workers=2)
     main = threading.get_ident()
     try:
@@ -446,7 +446,7 @@ def test_wire_send_honours_its_deadline_and_passes_descriptors():
         receiver.close()
 
 
-def test_ctrl_c_while_a_state_send_waits_stops_the_pool_cleanly(no_leaks):
+def test_ctrl_c_while_a_state_send_waits_stops_the_pool_cleanly(ctrl_c, no_leaks):
     ds = StuckWithBigState(hang_at=1)
     backend = _backend(ds, "spawn", timeout=60.0)
     main = threading.get_ident()

@@ -214,7 +214,8 @@ def test_stop_mid_epoch_gc_and_100_open_close_cycles_leak_nothing(no_leaks):
 
 _SCRIPT = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises even if started with SIGINT ignored
     sys.path.insert(0, {tests!r})
     import numpy as np
     import kpipe
@@ -346,7 +347,7 @@ def test_batches_of_zero_rows_load_in_fresh_slots(kw, no_leaks):
             assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
-def test_ctrl_c_during_a_batch_wait_keeps_the_loader_usable(no_leaks):
+def test_ctrl_c_during_a_batch_wait_keeps_the_loader_usable(ctrl_c, no_leaks):
     import threading
 
     from _engine_datasets import Slow
