@@ -1,5 +1,6 @@
 """ProcessLoader failure modes: each raises clearly, nothing hangs, nothing leaks."""
 
+import contextlib
 import gc
 import os
 import signal
@@ -264,36 +265,59 @@ def _gone(pids, within_s=10.0):
 
 def test_main_module_class_under_spawn_and_interpreter_exit(tmp_path):
     proc = _run_script(tmp_path, "exit")
-    out, err = proc.communicate(timeout=90)
+    with _killed_at_exit(proc):
+        out, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err
     pids = [int(p) for p in out.split("PIDS")[1].split("\n")[0].split()]
     assert "TF_IN_WORKERS False False" in out, out
     assert _gone(pids)
 
 
+def _kill(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+@contextlib.contextmanager
+def _killed_at_exit(proc):
+    """Kills and reaps the script's process (and so its workers) however the test ends:
+    a script that ignored its signal must not loop on after a failed test."""
+    try:
+        yield proc
+    finally:
+        _kill(proc)
+
+
 def _start_looping(tmp_path):
     """Starts the script in its endless loading loop; returns (process, worker pids)."""
     proc = _run_script(tmp_path, "sigint")
     lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("LOOPING"):
-            break
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("LOOPING"):
+                break
+    except BaseException:
+        _kill(proc)
+        raise
     return proc, [int(p) for p in "".join(lines).split("PIDS")[1].split("\n")[0].split()]
 
 
 def test_ctrl_c_stops_everything(tmp_path):
     proc, pids = _start_looping(tmp_path)
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
+    with _killed_at_exit(proc):
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
     assert proc.returncode != 0  # KeyboardInterrupt
     assert _gone(pids)
 
 
 def test_main_process_killed_leaves_no_worker(tmp_path):
     proc, pids = _start_looping(tmp_path)
-    proc.kill()
-    proc.communicate(timeout=60)
+    with _killed_at_exit(proc):
+        proc.kill()
+        proc.communicate(timeout=60)
     assert _gone(pids, within_s=15.0)
 
 
