@@ -23,7 +23,7 @@ from kpipe.errors import LoaderClosedError, LoaderError
 
 _DEFAULT_TIMEOUT_S = 120.0
 _UNSET = object()
-_AUTOSCALE_READ_S = 0.1  # workers="auto": counters are read at most this often
+_AUTOSCALE_READ_S = 0.02  # workers="auto": counters are read at most this often
 _AUTO_DECISIONS_KEPT = 100
 logger = logging.getLogger("kpipe")
 
@@ -718,6 +718,8 @@ class ProcessLoader(keras.utils.PyDataset):
             )
             if auto is not None:
                 auto.reset()
+                self._autoscale_next = 0.0
+                self._maybe_autoscale()  # the first window opens as the workers start
 
     # ------------------------------------------------------- workers="auto"
     def _init_autoscale(self, max_queue_size, start_method, use_threads):
@@ -747,7 +749,9 @@ class ProcessLoader(keras.utils.PyDataset):
         `_AUTOSCALE_READ_S`, and starts or retires workers as it decides."""
         now = time.perf_counter()
         backend = self._backend
-        if now < self._autoscale_next or not isinstance(backend, ProcessBackend) or backend.closed:
+        if now < self._autoscale_next and not self._autoscaler.in_first_window:
+            return
+        if not isinstance(backend, ProcessBackend) or backend.closed:
             return
         self._autoscale_next = now + _AUTOSCALE_READ_S
         done, busy, cpu, runq = backend.timings

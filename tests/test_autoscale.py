@@ -51,16 +51,26 @@ def run(scaler, script, windows, **timings):
     return decisions
 
 
-def test_first_reading_and_short_windows_decide_nothing():
-    scaler, script = AutoScaler(2, 16, interval_s=0.5), Script(2)
-    assert scaler.observe(script.sample()) is None
+def test_first_window_closes_after_two_batches_later_ones_need_interval_and_min_batches():
+    scaler, script = AutoScaler(2, 64, interval_s=0.5), Script(2)
+    assert scaler.in_first_window
+    assert scaler.observe(script.sample()) is None  # the workers start: the first window opens
+    assert scaler.observe(script.step(window_s=0.1, consumed=1)) is None  # one batch: it goes on
+    d = scaler.observe(script.step(window_s=0.05, consumed=1))  # two batches, 0.15 s: it closes
+    assert d is not None and d.workers_from == 2 and d.workers_to > 2 and not scaler.in_first_window
+    script.workers = d.workers_to
+    assert scaler.observe(script.sample()) is None  # a new window
     assert scaler.observe(script.step(window_s=0.2)) is None  # shorter than interval_s
     assert scaler.observe(script.step(window_s=0.2, consumed=1)) is None  # window goes on: 0.4 s
     d = scaler.observe(script.step(window_s=0.2, consumed=1))  # 0.6 s, 22 batches
-    assert d is not None and d.workers_to > 2
+    assert d is not None and d.workers_to > d.workers_from == script.workers
     scaler2, script2 = AutoScaler(2, 16, min_batches=4), Script(2)
     scaler2.observe(script2.sample())
+    assert scaler2.observe(script2.step(window_s=5.0, consumed=2, wait_share=0.0)) is None  # first: nothing to add
+    assert not scaler2.in_first_window
     assert scaler2.observe(script2.step(window_s=5.0, consumed=3)) is None  # too few batches
+    scaler2.reset()
+    assert scaler2.in_first_window
 
 
 def test_io_bound_grows_past_the_cpus_up_to_the_cap_at_most_x8_per_step():
@@ -160,6 +170,8 @@ def test_controller_arguments_are_checked():
         AutoScaler(0, 4)
     with pytest.raises(ValueError, match="max_workers"):
         AutoScaler(2, 0)
+    with pytest.raises(ValueError, match="first_min_batches=0"):
+        AutoScaler(2, 4, first_min_batches=0)
     assert _autoscale.max_workers_for(2) == 16 and _autoscale.max_workers_for(100) == _autoscale.MAX_WORKERS
     assert _autoscale.start_workers_for(1) == 1 and _autoscale.start_workers_for(1.5) == 1 and _autoscale.start_workers_for(8) == 2
 

@@ -32,6 +32,10 @@ retire (at most a quarter per step, not below `need`) when fewer workers would s
 R (the training step slowed, or the data got cheaper) and the consumer barely waited
 (w < `WAIT_ADD`) in `PATIENCE` windows since the last window that asked for as many
 workers as run or more. A change of the worker count starts a new window.
+The first window opens when the workers start and closes after `first_min_batches` (2),
+however short:
+an I/O-bound dataset (5 ms of waiting per sample, batch 32) then goes 2 -> 16 workers
+when its first two batches arrive, not ~0.35 s later (scripts/bench_auto.py, workload c).
 The data order and each batch's randomness do not depend on the worker count (plans and
 per-batch seeds are keyed on (seed, pass, position)), so changing it changes no batch.
 """
@@ -114,24 +118,40 @@ class AutoScaler:
         interval_s: Shortest window between decisions, in seconds of `Sample.t`
             (short: in a short run, the time at too few workers counts). Defaults to 0.25.
         min_batches: Fewest batches consumed (and loaded) in a window. Defaults to 4.
+        first_min_batches: The same for the first window after construction or `reset()`,
+            which the caller opens when the workers start and which has no shortest
+            length: their start-up and first batches already tell an I/O-bound dataset
+            (add workers at once) from a CPU-bound one. Defaults to 2.
     """
 
-    def __init__(self, cpu_limit, max_workers, *, interval_s=0.25, min_batches=4):
+    def __init__(self, cpu_limit, max_workers, *, interval_s=0.25, min_batches=4, first_min_batches=2):
         if not cpu_limit > 0:
             raise ValueError(f"`cpu_limit` must be > 0. Received: cpu_limit={cpu_limit!r}.")
         if max_workers < 1:
             raise ValueError(f"`max_workers` must be >= 1. Received: max_workers={max_workers!r}.")
+        if min_batches < 1 or first_min_batches < 1:
+            raise ValueError(f"`min_batches` and `first_min_batches` must be >= 1. Received: min_batches={min_batches!r}, "
+                             f"first_min_batches={first_min_batches!r}.")
         self.cpu_limit = float(cpu_limit)
         self.max_workers = int(max_workers)
         self.interval_s = float(interval_s)
         self.min_batches = int(min_batches)
+        self.first_min_batches = int(first_min_batches)
         self._last = None
         self._quiet = 0  # windows in a row in which the consumer did not wait
+        self._first = True  # the window in progress is the first since construction/reset
+
+    @property
+    def in_first_window(self):
+        """True until the first window since construction/`reset()` closes: the caller
+        should then read the counters at every batch, not at its usual pace."""
+        return self._first
 
     def reset(self):
         """Forgets the window in progress (e.g. the workers were restarted)."""
         self._last = None
         self._quiet = 0
+        self._first = True
 
     def observe(self, s):
         """Takes counters read now; returns a `Decision` when the count should change."""
@@ -141,9 +161,12 @@ class AutoScaler:
             return None
         dt = s.t - last.t
         consumed, done = s.consumed - last.consumed, s.done - last.done
-        if dt < self.interval_s or consumed < self.min_batches or done < min(self.min_batches, s.workers):
+        # The first window is as long as its first batches take; later ones last interval_s.
+        fewest, shortest = (self.first_min_batches, 0.0) if self._first else (self.min_batches, self.interval_s)
+        if dt <= shortest or consumed < fewest or done < min(fewest, s.workers):
             return None  # the window goes on
         self._last = s
+        self._first = False
         wait = min(max(s.wait_s - last.wait_s, 0.0), dt)
         busy = max(s.busy_s - last.busy_s, 1e-9)
         cpu = min(max(s.cpu_s - last.cpu_s, 0.0), busy)
