@@ -17,7 +17,11 @@ buffer where the dataset calls `kpipe.empty`, and glibc keeps freed memory for r
 Throughput is measured from the first batch to the end of `--epochs` epochs, so
 per-epoch costs (Keras re-forking its pool, say) count and the one-time start-up is
 reported on its own: "1st batch s" is the time from constructing the loader to
-receiving its first batch (median of the runs). Every loader runs `--repeats` times, in
+receiving its first batch (median of the runs). `--warmup-epochs N` times only the
+epochs after N untimed ones of the same loader instead: the first epochs are where a
+loader pays once for its buffers (each of kpipe's shared-memory slots costs the kernel
+~1 ms per MB on first use, and ~0.3 ms per MB in each further process that maps it;
+the ceiling's workers touch their one buffer before timing starts). Every loader runs `--repeats` times, in
 rounds; its best throughput is reported (this 2-core VM's speed drifts by +-20% from
 minute to minute; interference only ever slows a run). Peak RSS is summed over the
 process tree (shared pages count once per process that maps them).
@@ -208,7 +212,14 @@ def consume(iterator, counts):
             counts[3] = len(batch[0])
 
 
-def run_pydataset(make, kind, epochs, workers, max_queue):
+def _rate(counts, t0, start, end, warmup):
+    """Samples/s: after the warm-up epochs, or (none) from the first batch on."""
+    if warmup:
+        return (counts[1] - start[0]) / (end - start[1])
+    return (counts[1] - counts[3]) / (end - counts[2])
+
+
+def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0):
     """serial / keras-threads / keras-mp / kpipe through Keras's own PyDataset adapter."""
     from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
@@ -225,17 +236,19 @@ def run_pydataset(make, kind, epochs, workers, max_queue):
     if kind.startswith("kpipe"):
         ds = kpipe.ProcessLoader(inner, workers=workers, max_queue_size=max_queue, use_threads=kind == "kpipe-threads")
     adapter = PyDatasetAdapter(ds, shuffle=False)
-    for _ in range(epochs):
+    for epoch in range(warmup + epochs):
+        if epoch == warmup:
+            start = (counts[1], time.perf_counter())
         adapter.on_epoch_begin()
         consume(adapter.get_numpy_iterator(), counts)
         adapter.on_epoch_end()
-    elapsed = time.perf_counter() - t0
+    end = time.perf_counter()
     if hasattr(ds, "close"):
         ds.close()
-    return counts, elapsed, t0
+    return _rate(counts, t0, start, end, warmup), counts[2] - t0, counts[0]
 
 
-def run_tfdata(make, epochs, workers, max_queue):
+def run_tfdata(make, epochs, workers, max_queue, warmup=0):
     import tensorflow as tf
 
     counts = [0, 0, None, 0]
@@ -251,9 +264,11 @@ def run_tfdata(make, epochs, workers, max_queue):
         return tf.ensure_shape(x, (None,) + x0.shape[1:]), y
 
     tfds = tf.data.Dataset.range(len(ds)).map(fn, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
-    for _ in range(epochs):
+    for epoch in range(warmup + epochs):
+        if epoch == warmup:
+            start = (counts[1], time.perf_counter())
         consume(tfds.as_numpy_iterator(), counts)
-    return counts, time.perf_counter() - t0, t0
+    return _rate(counts, t0, start, time.perf_counter(), warmup), counts[2] - t0, counts[0]
 
 
 _CEILING_CHILD = r"""
@@ -326,7 +341,7 @@ def run_ceiling(make, epochs, workers):
 
 
 # ------------------------------------------------------------------------------- driver
-def measure(workload, make, loaders, epochs, workers, max_queue, repeats):
+def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup=0):
     """Runs every loader (and the ceiling) `repeats` times, in rounds, so that drift in
     the machine's speed spreads over all of them; keeps each one's best throughput (noise
     only ever slows a run down), the median time to first batch and the highest RSS."""
@@ -336,10 +351,10 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats):
         for kind in loaders:
             with PeakRSS() as rss:
                 if kind == "tf.data":
-                    counts, elapsed, t0 = run_tfdata(make, epochs, workers, max_queue)
+                    rate, first_s, batches = run_tfdata(make, epochs, workers, max_queue, warmup)
                 else:
-                    counts, elapsed, t0 = run_pydataset(make, kind, epochs, workers, max_queue)
-            runs[kind].append(((counts[1] - counts[3]) / (t0 + elapsed - counts[2]), counts[2] - t0, rss.peak / 2**20, counts[0]))
+                    rate, first_s, batches = run_pydataset(make, kind, epochs, workers, max_queue, warmup)
+            runs[kind].append((rate, first_s, rss.peak / 2**20, batches))
             print(f"  {workload}: {kind:<14} {runs[kind][-1][0]:10.1f} samples/s", flush=True)
         ceilings.append(run_ceiling(make, epochs, workers))
         print(f"  {workload}: {'ceiling':<14} {ceilings[-1]:10.1f} samples/s", flush=True)
@@ -436,6 +451,7 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=2, help="workers for every parallel loader. Default: 2")
     parser.add_argument("--io-workers", type=int, default=16, help="workers for workload c (plus a run at --workers). Default: 16")
     parser.add_argument("--epochs", default=_EPOCHS, help=f"epochs timed per loader, per workload (a single number for all). Default: {_EPOCHS}")
+    parser.add_argument("--warmup-epochs", type=int, default=0, help="untimed epochs of each loader before the timed ones. Default: 0 (time from the first batch)")
     parser.add_argument("--max-queue-size", type=int, default=10, help="batches in flight. Default: 10")
     parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")
     parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")
@@ -461,6 +477,8 @@ def main(argv=None):
         parser.error(f"--loaders takes a comma-separated subset of {','.join(_LOADERS)}. Received: {args.loaders}")
     scale = 0.125 if args.quick else 1.0
     repeats = 1 if args.quick else args.repeats
+    if args.warmup_epochs < 0:
+        parser.error(f"--warmup-epochs must be >= 0. Received: {args.warmup_epochs}")
     if repeats < 1:
         parser.error(f"--repeats must be >= 1. Received: {args.repeats}")
     rows, growth = [], None
@@ -468,30 +486,30 @@ def main(argv=None):
     try:
         if "a" in workloads:
             make = lambda **kw: Augment(num_images=int(2048 * scale), **kw)  # noqa: E731
-            rows += measure("a", make, loaders, epochs["a"], args.workers, args.max_queue_size, repeats)
+            rows += measure("a", make, loaders, epochs["a"], args.workers, args.max_queue_size, repeats, args.warmup_epochs)
             if args.rss_epochs:
                 growth = rss_growth(make, min(args.rss_epochs, 4) if args.quick else args.rss_epochs, args.workers)
         if "b" in workloads or "b-direct" in workloads:
             path = make_h5(os.path.join(tmpdir, "images.h5"), args.h5_mb * scale)
         if "b" in workloads:
             make = lambda **kw: H5Samples(path, **kw)  # noqa: E731
-            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats)
+            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs)
         if "b-direct" in workloads:
             make = lambda **kw: H5Contiguous(path, **kw)  # noqa: E731
-            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats)
+            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats, args.warmup_epochs)
         if "c" in workloads:
             n = max(8, int(48 * scale))
             make = lambda **kw: Waits(n=n, **kw)  # noqa: E731
-            rows += measure("c", make, loaders, epochs["c"], args.workers, args.max_queue_size, repeats)
+            rows += measure("c", make, loaders, epochs["c"], args.workers, args.max_queue_size, repeats, args.warmup_epochs)
             io_loaders = [x for x in loaders if x != "tf.data"] + (["kpipe-threads"] if "kpipe" in loaders else [])
-            io_rows = measure(f"c@{args.io_workers}", make, io_loaders, epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats)
+            io_rows = measure(f"c@{args.io_workers}", make, io_loaders, epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats, args.warmup_epochs)
             rows += io_rows
     finally:
         for name in os.listdir(tmpdir):
             os.unlink(os.path.join(tmpdir, name))
         os.rmdir(tmpdir)
 
-    print(f"\nLoader benchmark: {os.cpu_count()} CPUs, epochs {args.epochs}, workers={args.workers}, best of {repeats} runs, "
+    print(f"\nLoader benchmark: {os.cpu_count()} CPUs, epochs {args.epochs}{f' after {args.warmup_epochs} untimed' if args.warmup_epochs else ''}, workers={args.workers}, best of {repeats} runs, "
           f"tensorflow {__import__('tensorflow').__version__}, keras {keras.__version__}\n")
     print_table(rows)
     if growth:
@@ -500,7 +518,7 @@ def main(argv=None):
     check_targets(rows, growth, args.io_workers)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "rss_growth": growth, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
+            json.dump({"rows": rows, "rss_growth": growth, "warmup_epochs": args.warmup_epochs, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
     return 0
 
 

@@ -17,7 +17,7 @@ def test_bench_loaders_quick_run_reports_every_loader(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_loaders.py"), "--quick", "--workloads", "a",
-         "--epochs", "1", "--rss-epochs", "3", "--json", str(out)],
+         "--epochs", "1", "--warmup-epochs", "1", "--rss-epochs", "3", "--json", str(out)],
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,3 +26,4 @@ def test_bench_loaders_quick_run_reports_every_loader(tmp_path):
     assert loaders == ["serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "ceiling"]
     assert all(r["samples_per_s"] > 0 for r in rows)
     assert "Targets:" in proc.stdout and "kpipe RSS over 3 epochs" in proc.stdout
+    assert json.loads(out.read_text())["warmup_epochs"] == 1 and "after 1 untimed" in proc.stdout
