@@ -21,7 +21,9 @@ receiving its first batch (median of the runs). `--warmup-epochs N` times only t
 epochs after N untimed ones of the same loader instead: the first epochs are where a
 loader pays once for its buffers (each of kpipe's shared-memory slots costs the kernel
 ~1 ms per MB on first use, and ~0.3 ms per MB in each further process that maps it;
-the ceiling's workers touch their one buffer before timing starts). Every loader runs `--repeats` times, in
+the ceiling's workers touch their one buffer before timing starts).
+
+Every loader runs `--repeats` times, in
 rounds; its best throughput is reported (this 2-core VM's speed drifts by +-20% from
 minute to minute; interference only ever slows a run). Peak RSS is summed over the
 process tree (shared pages count once per process that maps them).
@@ -212,7 +214,7 @@ def consume(iterator, counts):
             counts[3] = len(batch[0])
 
 
-def _rate(counts, t0, start, end, warmup):
+def _rate(counts, start, end, warmup):
     """Samples/s: after the warm-up epochs, or (none) from the first batch on."""
     if warmup:
         return (counts[1] - start[0]) / (end - start[1])
@@ -245,7 +247,7 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0):
     end = time.perf_counter()
     if hasattr(ds, "close"):
         ds.close()
-    return _rate(counts, t0, start, end, warmup), counts[2] - t0, counts[0]
+    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0]
 
 
 def run_tfdata(make, epochs, workers, max_queue, warmup=0):
@@ -268,7 +270,7 @@ def run_tfdata(make, epochs, workers, max_queue, warmup=0):
         if epoch == warmup:
             start = (counts[1], time.perf_counter())
         consume(tfds.as_numpy_iterator(), counts)
-    return _rate(counts, t0, start, time.perf_counter(), warmup), counts[2] - t0, counts[0]
+    return _rate(counts, start, time.perf_counter(), warmup), counts[2] - t0, counts[0]
 
 
 _CEILING_CHILD = r"""

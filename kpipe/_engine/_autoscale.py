@@ -33,9 +33,9 @@ R (the training step slowed, or the data got cheaper) and the consumer barely wa
 (w < `WAIT_ADD`) in `PATIENCE` windows since the last window that asked for as many
 workers as run or more. A change of the worker count starts a new window.
 The first window opens when the workers start and closes after `first_min_batches` (2),
-however short:
-an I/O-bound dataset (5 ms of waiting per sample, batch 32) then goes 2 -> 16 workers
-when its first two batches arrive, not ~0.35 s later (scripts/bench_auto.py, workload c).
+however short: an I/O-bound dataset (5 ms of waiting per sample, batch 32) then goes
+2 -> 16 workers when its first two batches arrive, not ~0.35 s later
+(scripts/bench_auto.py, workload c).
 The data order and each batch's randomness do not depend on the worker count (plans and
 per-batch seeds are keyed on (seed, pass, position)), so changing it changes no batch.
 """
