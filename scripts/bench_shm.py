@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""What one shared-memory slot costs the first time, against writing it once mapped.
+
+A kpipe slot is a memfd that each process maps on its own. The kernel allocates (and
+zeroes) its pages on the first write, and every further mapping fills its own page tables.
+This prints, for a slot of `--mb` megabytes (default 77: one 128x224x224x3 float32 batch,
+the loader benchmark's workload b), the median of `--repeats` rounds of:
+
+  create + populate   a new slot made writable in one call (MADV_POPULATE_WRITE), as
+                      the first worker to write it does
+  2nd mapping         the same pages populated through a second mapping, as another
+                      worker that writes the slot later does
+  read, page by page  a third mapping read one value per 4 KiB page, as a consumer
+                      that touches the whole batch does
+  full write          writing every byte through a mapping that is already populated:
+                      the cost that recurs for every batch
+
+Separate mappings in one process stand in for separate processes: page tables are per
+mapping range either way.
+
+    python scripts/bench_shm.py
+    python scripts/bench_shm.py --mb 9.6 --repeats 9
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kpipe._engine._shm import _MADV_POPULATE_WRITE, Segment  # noqa: E402
+
+_ROWS = ("create + populate", "2nd mapping", "read, page by page", "full write")
+
+
+def one_round(nbytes):
+    """Seconds of each step of `_ROWS`, for one fresh slot."""
+    out = []
+    first = Segment.create(0)
+    others = []
+    try:
+        t = time.perf_counter()
+        first.reserve(nbytes)
+        out.append(time.perf_counter() - t)
+        second = Segment(os.dup(first.fd))
+        others.append(second)
+        t = time.perf_counter()
+        second.reserve(nbytes)
+        out.append(time.perf_counter() - t)
+        third = Segment(os.dup(first.fd))
+        others.append(third)
+        third.map_all()
+        t = time.perf_counter()
+        third.mapping[:nbytes:4096].sum()
+        out.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        first.mapping[:nbytes] = 1
+        out.append(time.perf_counter() - t)
+    finally:
+        for seg in [first] + others:
+            seg.close()
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=77.07, help="slot size in MB (10^6 bytes). Default: 77.07")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds, each with a new slot; medians are printed. Default: 5")
+    args = parser.parse_args(argv)
+    if not args.mb > 0 or args.repeats < 1:
+        parser.error(f"--mb must be > 0 and --repeats >= 1. Received: --mb {args.mb} --repeats {args.repeats}")
+    nbytes = int(args.mb * 1e6)
+    rounds = [one_round(nbytes) for _ in range(args.repeats)]
+    medians = [statistics.median(r[i] for r in rounds) for i in range(len(_ROWS))]
+    write = medians[-1]
+    populate = "MADV_POPULATE_WRITE" if _MADV_POPULATE_WRITE is not None else "page faults (no MADV_POPULATE_WRITE)"
+    print(f"One {args.mb:g} MB shared-memory slot, median of {args.repeats} rounds ({populate}):\n")
+    print(f"{'step':<22}{'ms':>9}{'ms per MB':>11}{'x full write':>14}")
+    for name, seconds in zip(_ROWS, medians):
+        print(f"{name:<22}{seconds * 1e3:>9.1f}{seconds * 1e3 / args.mb:>11.3f}{seconds / write:>14.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
