@@ -718,7 +718,6 @@ class ProcessLoader(keras.utils.PyDataset):
             )
             if auto is not None:
                 auto.reset()
-                self._autoscale_next = 0.0
                 self._maybe_autoscale()  # the first window opens as the workers start
 
     # ------------------------------------------------------- workers="auto"
@@ -745,8 +744,9 @@ class ProcessLoader(keras.utils.PyDataset):
         return min(_autoscale.start_workers_for(limit), max_workers), max_queue_size or max(4, 2 * max_workers)
 
     def _maybe_autoscale(self):
-        """Feeds the controller (`kpipe/_engine/_autoscale.py`) the counters, at most every
-        `_AUTOSCALE_READ_S`, and starts or retires workers as it decides."""
+        """Feeds the controller (`kpipe/_engine/_autoscale.py`) the counters -- at every
+        call during its first window, then at most every `_AUTOSCALE_READ_S` -- and starts
+        or retires workers as it decides."""
         now = time.perf_counter()
         backend = self._backend
         if now < self._autoscale_next and not self._autoscaler.in_first_window:
