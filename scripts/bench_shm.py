@@ -6,8 +6,11 @@ zeroes) its pages on the first write, and every further mapping fills its own pa
 This prints, for a slot of `--mb` megabytes (default 77: one 128x224x224x3 float32 batch,
 the loader benchmark's workload b), the median of `--repeats` rounds of:
 
-  create + populate   a new slot made writable in one call (MADV_POPULATE_WRITE), as
-                      the first worker to write it does
+  create + populate   a new slot made writable as the first worker to write it does:
+                      its pages allocated in one fallocate, then mapped writable in
+                      one call (MADV_POPULATE_WRITE)
+  ... no fallocate    the same with the pages allocated while populating (kpipe before
+                      it used fallocate)
   2nd mapping         the same pages populated through a second mapping, as another
                       worker that writes the slot later does
   read, page by page  a third mapping read one value per 4 KiB page, as a consumer
@@ -29,9 +32,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kpipe._engine import _shm  # noqa: E402
 from kpipe._engine._shm import _MADV_POPULATE_WRITE, Segment  # noqa: E402
 
-_ROWS = ("create + populate", "2nd mapping", "read, page by page", "full write")
+_ROWS = ("create + populate", "... no fallocate", "2nd mapping", "read, page by page", "full write")
 
 
 def one_round(nbytes):
@@ -43,6 +47,15 @@ def one_round(nbytes):
         t = time.perf_counter()
         first.reserve(nbytes)
         out.append(time.perf_counter() - t)
+        plain = Segment.create(0)
+        others.append(plain)
+        fallocate, _shm._fallocate = _shm._fallocate, None
+        try:
+            t = time.perf_counter()
+            plain.reserve(nbytes)
+            out.append(time.perf_counter() - t)
+        finally:
+            _shm._fallocate = fallocate
         second = Segment(os.dup(first.fd))
         others.append(second)
         t = time.perf_counter()

@@ -235,10 +235,10 @@ def test_resync_with_a_stuck_worker_and_big_state_times_out_and_close_returns(st
     backend = _backend(ds, start_method, timeout=2.0)
     try:
         assert backend.get(backend.submit(0))[0][0][0, 0] == 0
-        stuck = backend.submit(1)  # worker 1 hangs in __getitem__
+        stuck = backend.submit(1)  # its worker hangs in __getitem__
         backend.discard(stuck)
         ds.on_epoch_end()
-        with pytest.raises(kpipe.BatchTimeoutError, match=r"Worker 1 \(pid \d+\) did not take the new state of `StuckWithBigState`.*within timeout=2.0 s: it is still loading batch 1"):
+        with pytest.raises(kpipe.BatchTimeoutError, match=rf"Worker {backend._tasks[stuck].worker.id} \(pid \d+\) did not take the new state of `StuckWithBigState`.*within timeout=2.0 s: it is still loading batch 1"):
             backend.reset_target(ds)  # ~8 MB for a worker that does not read: must not block
         assert backend.closed
     finally:

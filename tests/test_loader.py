@@ -297,6 +297,74 @@ def test_writer_mappings_are_populated_up_front():
         seg.close()
 
 
+def test_the_process_that_grows_a_slot_allocates_the_reserved_pages_only(monkeypatch):
+    import os
+
+    from kpipe._engine import _shm
+
+    if _shm._fallocate is None:
+        pytest.skip("this Python has no os.posix_fallocate")
+    monkeypatch.setattr(_shm, "_MADV_POPULATE_WRITE", None)  # so that only fallocate allocates
+    first = _shm.Segment.create(0)
+    second = _shm.Segment(os.dup(first.fd))
+    try:
+        first.reserve(8 << 20)
+        allocated = os.fstat(first.fd).st_blocks * 512
+        assert first.size > 8 << 20  # with headroom ...
+        assert 8 << 20 <= allocated < first.size  # ... that stays unallocated until written
+        second.reserve(first.size)  # a later writer does not grow it, so allocates nothing
+        assert os.fstat(first.fd).st_blocks * 512 == allocated
+        size = first.size
+        second.reserve(size + 1)  # but one that grows it allocates all it reserved
+        assert size < os.fstat(first.fd).st_blocks * 512 < first.size
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_task_goes_to_an_idle_worker_that_has_mapped_a_free_slot(no_leaks):
+    from kpipe._engine._pool import ProcessBackend
+
+    backend = ProcessBackend(Squares(n=8), num_workers=2, mode="dataset", start_method="forkserver",
+                             timeout=60.0, seed=0, name="Squares", keep_idle=8)
+    try:
+        first = backend.submit(0)
+        writer = backend._tasks[first].worker
+        backend.get(first)  # dropped at once: its slot is free again, mapped by `writer` only
+        second = backend.submit(1)  # both workers idle: round-robin alone would pick the other
+        assert backend._tasks[second].worker is writer and not backend._tasks[second].fresh
+        third = backend.submit(2)  # `writer` is busy now: the other one, in a new slot
+        assert backend._tasks[third].worker is not writer and backend._tasks[third].fresh
+        assert [int(backend.get(s)[0][0].flat[0]) for s in (second, third)] == [10, 20]
+    finally:
+        backend.close()
+
+
+def test_a_batch_late_on_its_slots_first_use_does_not_deepen_the_queue(no_leaks):
+    from _datasets import Stalls
+
+    from kpipe._engine._pool import ProcessBackend
+
+    backend = ProcessBackend(Stalls(n=8, every=4, stall_s=0.3), num_workers=2, mode="dataset", start_method="forkserver",
+                             timeout=60.0, seed=0, name="Stalls", keep_idle=8)
+    try:
+        starved = []
+        first = backend.submit(0)  # slow, in a slot new to its worker
+        backend.submit(1)
+        assert backend._tasks[first].fresh
+        backend.get(first, on_starved=lambda: starved.append(0))
+        assert starved == []  # the other worker idled, but only because a slot was new
+        backend.get(1)
+        late = backend.submit(4)  # slow again, now in a slot its worker has written
+        other = backend.submit(5)
+        assert not backend._tasks[late].fresh
+        backend.get(late, on_starved=lambda: starved.append(4))
+        assert starved == [4]
+        backend.get(other)
+    finally:
+        backend.close()
+
+
 def test_set_epoch_replays_the_plan_of_that_epoch(no_leaks):
     ds = Squares(n=10)
     with kpipe.ProcessLoader(ds, workers=2, shuffle=True, seed=9) as a, kpipe.ProcessLoader(ds, workers=1, shuffle=True, seed=9) as b:

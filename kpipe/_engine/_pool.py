@@ -10,13 +10,15 @@ Three backends share one small interface -- `submit(key, inputs=None) -> seq`,
 NOTE [ kpipe worker shutdown and slot lifecycle ]
 ------------------------------------------------
 Data flow for one task (`seq` increases by one per task; it goes to the live worker with
-the fewest tasks pending, ties round-robin -- which worker loads a batch changes nothing
-in it: the owner passes each batch's seed with the task):
+the fewest tasks pending, on ties one that has mapped a free slot, then round-robin --
+which worker loads a batch changes nothing in it: the owner passes each batch's seed
+with the task):
 
     main: acquire slot S (a memfd; a free one W already maps if any) --task(seq, key, S)--> W
                          [S's fd follows via SCM_RIGHTS unless W holds it already]
-    W:    out = target[key]; flatten; write leaves into S (grow S with ftruncate if needed;
-          the pages W will write are mapped in one madvise(MADV_POPULATE_WRITE), not faulted)
+    W:    out = target[key]; flatten; write leaves into S (grow S with ftruncate and
+          allocate the pages with fallocate if needed; the pages W will write are mapped
+          in one madvise(MADV_POPULATE_WRITE), not faulted)
     W:    --done(seq, treedef, layout)--> main      (arrays never go through the socket)
     main: get(seq): arrays = views of S, each holding a Lease(S)
     consumer drops the last array/view  ->  Lease.__del__  ->  S back to the free list
@@ -26,9 +28,12 @@ never sees its arrays change. Slots the consumer still holds do not stall loadin
 slot is created instead; idle slots beyond `keep_idle` are closed and workers are told to
 unmap them with the next task they get. How many tasks are in flight is the owner's
 choice (`ProcessLoader` keeps two per worker and goes deeper, up to `max_queue_size`, when
-`get(seq, on_starved=...)` reports a worker idle behind a slow batch): each slot costs a
-batch of memory and, on first use, the kernel's zeroing of its pages. A Ctrl-C while
-`get` waits discards that task: its slot is freed when the worker's answer arrives.
+`get(seq, on_starved=...)` reports a worker idle behind a slow batch -- unless that batch
+was its worker's first use of its slot, a delay that does not recur): each slot costs a
+batch of memory and, on first use, the kernel's allocation and zeroing of its pages (in
+the worker that grows it, with one fallocate) and each further process's mapping of them.
+A Ctrl-C while `get` waits discards that task: its slot is freed when the worker's answer
+arrives.
 
 Descriptors, bounded by what is alive:
   main    one memfd per live slot (free, in flight or held by the consumer) and per
@@ -114,7 +119,9 @@ from kpipe.errors import (
 # enough for the few slots it cycles through, independent of how many batches are held.
 _WORKER_SLOT_FDS = 4
 _START_METHODS = ("forkserver", "spawn", "fork")
-_Task = collections.namedtuple("_Task", "worker key slot in_slot")
+# `fresh`: the worker had not mapped the task's slot before (its first use costs it the
+# kernel's allocation or mapping of the slot's pages, a one-time delay).
+_Task = collections.namedtuple("_Task", "worker key slot in_slot fresh")
 
 
 class _KeyErrorMessage(str):
@@ -393,7 +400,8 @@ class ProcessBackend:
         `random` and `numpy.random` with it first. Returns the task's `seq`."""
         self._check_open()
         seq = next(self._seq)
-        proc = min(self._active, key=_load)
+        free = self._slots.free_ids()
+        proc = min(self._active, key=lambda p: _load(p, free))
         proc.last_task = seq
         slot, _ = self._slots.acquire(proc.known_slots)
         in_info = in_slot = None
@@ -409,7 +417,7 @@ class ProcessBackend:
                 if s is not None:
                     self._slots.release(s)
             raise
-        self._tasks[seq] = _Task(proc, key, slot, in_slot)
+        self._tasks[seq] = _Task(proc, key, slot, in_slot, slot not in proc.known_slots)
         if proc.dead_error is None:
             task_slots = [slot] if in_slot is None else [slot, in_slot]
             fd_slots, close = self._slot_fds(proc, task_slots)
@@ -500,7 +508,10 @@ class ProcessBackend:
         """Waits for task `seq`; returns `(tree, treedef, meta)`, meta = [(dtype_str, shape)].
 
         `on_starved()`, if given, is called (once) if a live worker runs out of tasks
-        while this one is still loading: the caller may submit more. If the wait is
+        while this one is still loading: the caller may submit more. Not when this task
+        is its worker's first use of its slot: paging in a large slot can take longer
+        than a batch, but only once, and more batches in flight would mean more slots,
+        each paying it again. If the wait is
         interrupted (Ctrl-C), the task is discarded and its slot freed when it arrives.
         """
         self._check_open()
@@ -516,7 +527,8 @@ class ProcessBackend:
                 self._pump(remaining)
                 if on_starved is not None and seq not in self._results and any(not p.pending and p.dead_error is None for p in self._active):
                     on_starved, starved = None, on_starved
-                    starved()
+                    if not self._tasks[seq].fresh:  # a slot's first use is late only once
+                        starved()
         except Exception:
             raise
         except BaseException:  # KeyboardInterrupt: nobody will ask for this batch again
@@ -707,10 +719,12 @@ class ProcessBackend:
         self._finalizer()
 
 
-def _load(proc):
-    """Least-loaded first, so tasks follow the live worker list; ties go to the worker
-    given a task longest ago (round-robin when batches take equal times)."""
-    return len(proc.pending), proc.last_task, proc.id
+def _load(proc, free=frozenset()):
+    """Least-loaded first, so tasks follow the live worker list; among those, a worker
+    that has mapped one of the `free` slots (it writes there without paying for a first
+    mapping), then the worker given a task longest ago (round-robin when batches take
+    equal times)."""
+    return len(proc.pending), free.isdisjoint(proc.known_slots), proc.last_task, proc.id
 
 
 class ThreadBackend:

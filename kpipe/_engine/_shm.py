@@ -37,6 +37,8 @@ from kpipe.errors import LoaderError
 _ALIGN = 64  # bytes; cache-line alignment for every array in a slot
 _PAGE = mmap.PAGESIZE
 _HUGE_MIN_BYTES = 4 << 20
+# posix_fallocate: allocates a file's pages without mapping them (None where Python lacks it).
+_fallocate = getattr(os, "posix_fallocate", None)
 # madvise(MADV_POPULATE_WRITE) (Linux >= 5.14) maps every page of a range, writable, in one call.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -232,7 +234,8 @@ class Segment:
             size = self._mapped  # already mapped that far: no need to ask the file
         else:
             size = self._need_fd().size
-        if size < nbytes:
+        grew = size < nbytes
+        if grew:
             # Grow with headroom, so that the small arrays written after a big one, or a
             # slowly growing batch size, do not regrow (and remap) the file each time.
             # Headroom costs no memory until it is written: memfd pages are allocated on use.
@@ -240,21 +243,32 @@ class Segment:
             os.ftruncate(self.fd, size)
         self._map(nbytes)
         if nbytes > self._populated:
-            self._populate(nbytes)
+            self._populate(nbytes, allocate=grew)
 
     def _need_fd(self):
         if self.fd is None:
             raise ValueError("this segment's file descriptor was closed; it can no longer grow or be remapped")
         return self
 
-    def _populate(self, nbytes):
+    def _populate(self, nbytes, allocate=False):
         # A writer fills what it reserves: map those pages now, in one call. Write faults
         # come one per 4 KiB page (no fault-around), so an image batch would otherwise
         # take thousands of faults on the slot's first use in each worker.
         start = self._populated
         end = min(align(nbytes, _PAGE), self._mapped)
         self._populated = end
-        if _MADV_POPULATE_WRITE is None or end <= start:
+        if end <= start:
+            return
+        if allocate and _fallocate is not None:
+            # The process that grows the file is the first to write most of it: have the
+            # kernel allocate (and zero) the pages in one fallocate, which costs ~13% less
+            # than allocating them one by one while populating (scripts/bench_shm.py);
+            # pages that exist already cost it ~0.04 ms per MB.
+            try:
+                _fallocate(self.fd, start, end - start)
+            except OSError:
+                pass  # e.g. no fallocate on this file system: populating allocates them
+        if _MADV_POPULATE_WRITE is None:
             return
         try:
             self._map_obj.madvise(_MADV_POPULATE_WRITE, start, end - start)
@@ -445,6 +459,11 @@ class SlotPool:
             self._next_id += 1
             self.segments[slot] = segment
             return slot, True
+
+    def free_ids(self):
+        """The ids of the free slots, as a frozenset."""
+        with self._lock:
+            return frozenset(self._free)
 
     def release(self, slot):
         with self._lock:
