@@ -20,6 +20,19 @@ def _alive(process):
         return False
 
 
+def live_pids(pids):
+    """The pids among `pids` whose process still runs (not exited, not a zombie)."""
+    out = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        if _alive(process):
+            out.append(pid)
+    return out
+
+
 def memfd_count():
     n = 0
     for fd in os.listdir("/proc/self/fd"):

@@ -8,19 +8,19 @@ import gc
 import time
 
 import numpy as np
-import psutil
 import pytest
 import tensorflow as tf
 
 import kpipe.data
 import kpipe.data._pymap
+from conftest import kpipe_children
 
 pytestmark = pytest.mark.multiprocess
 N = 40
 
 
 def _children():
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+    return {p.pid for p in kpipe_children()}
 
 
 @pytest.fixture

@@ -15,12 +15,11 @@ import threading
 import time
 
 import numpy as np
-import psutil
 import pytest
 
 import kpipe
 from _engine_datasets import Empty, Replacing, Resizing, Slow, StuckWithBigState, array_mappings, fd_count, memfd_count
-from conftest import kpipe_children
+from conftest import kpipe_children, live_pids
 from kpipe._engine import _pool
 from kpipe._engine._pool import ProcessBackend
 
@@ -54,22 +53,13 @@ def _counts(backend):
     }
 
 
-def _alive(pids):
-    out = []
-    for p in pids:
-        try:
-            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def _wait_gone(pids, within_s):
     deadline = time.monotonic() + within_s
-    while _alive(pids) and time.monotonic() < deadline:
+    while live_pids(pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return _alive(pids)
+    return live_pids(pids)
 
 
 # ----------------------------------------------------------- replaced shared arrays
@@ -334,7 +324,7 @@ def test_sigkilled_main_process_leaves_no_worker_even_inside_getitem(start_metho
         assert line.startswith("PIDS"), line
         pids = [int(p) for p in line.split()[1:]]
         assert len(pids) == (3 if start_method == "forkserver" else 2)
-        assert len(_alive(pids)) == len(pids)  # a thread that ended did not take them along
+        assert len(live_pids(pids)) == len(pids)  # a thread that ended did not take them along
         proc.kill()
         proc.wait(timeout=30)
         left = _wait_gone(pids, 5.0)
@@ -342,7 +332,7 @@ def test_sigkilled_main_process_leaves_no_worker_even_inside_getitem(start_metho
     finally:
         proc.kill()
         proc.wait(timeout=30)
-        for p in _alive(pids):
+        for p in live_pids(pids):
             os.kill(p, signal.SIGKILL)
 
 
@@ -355,7 +345,7 @@ def test_workers_started_from_a_short_lived_thread_outlive_that_thread(start_met
     backend = box[0]
     try:
         time.sleep(0.5)
-        assert len(_alive(backend.pids)) == 2
+        assert len(live_pids(backend.pids)) == 2
         assert [int(t[0][0]) for t in _one_pass(backend, 4)] == [0, 4, 8, 12]
     finally:
         backend.close()

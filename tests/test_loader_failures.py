@@ -10,12 +10,11 @@ import textwrap
 import time
 
 import numpy as np
-import psutil
 import pytest
 
 import kpipe
 from _datasets import EagerH5, Failing, LazyH5, Locked, Squares
-from conftest import kpipe_children, memfd_count, shm_entries
+from conftest import kpipe_children, live_pids, memfd_count, shm_entries
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -65,7 +64,7 @@ def test_dead_worker_raises_naming_worker_pid_code_and_batch(how, pattern, start
     assert loader[4][0][0, 0] == 4
     assert loader.stats()["restarts"] == 1
     loader.close()
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert not live_pids(pids)
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
@@ -256,7 +255,7 @@ def _run_script(tmp_path, mode):
 def _gone(pids, within_s=10.0):
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = live_pids(pids)
         if not alive:
             return True
         time.sleep(0.1)

@@ -70,7 +70,12 @@ model.compile("sgd", "mse")
 '''
 _RERUN_CELL = "model.fit(kpipe.ProcessLoader(Cell(), workers=2), epochs=1, verbose=0)"
 _COUNT_CELL = '''gc.collect()
-print(len([p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]))'''
+def running(p):
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # it exited after children() listed it
+        return False
+print(len([p for p in psutil.Process().children(recursive=True) if running(p)]))'''
 
 
 @pytest.mark.notebook

@@ -70,8 +70,8 @@ _CYCLES_SCRIPT = textwrap.dedent(
     """
     import gc, os, sys
     sys.path.insert(0, {tests!r})
-    import psutil
     from _engine_datasets import Replacing, memfd_count
+    from conftest import kpipe_children
     from kpipe._engine._pool import ProcessBackend
 
     assert 'tensorflow' not in sys.modules
@@ -97,7 +97,7 @@ _CYCLES_SCRIPT = textwrap.dedent(
         assert all(int(x[0]) == 4 * (j % 2) for x, j in kept)
     del kept, x
     gc.collect()
-    children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    children = kpipe_children()
     print('CYCLES 200 CHILDREN', len(children), 'FDS', fds0, len(os.listdir('/proc/self/fd')),
           'MEMFDS', memfds0, memfd_count(os.getpid()), flush=True)
     """
