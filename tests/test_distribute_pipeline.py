@@ -151,6 +151,9 @@ def test_batch_normalization_warns_about_microbatch_statistics(report):
     assert r["warning_files"] == ["pipeline_cpu.py"]  # stacklevel points at the caller
     assert r["quiet"] == []  # num_microbatches=1: same statistics, no warning
     assert np.isfinite(r["loss"]).all()
+    # a batch of fewer rows than micro-batches runs no micro-batch of 0 rows (its
+    # statistics, the moving mean and variance, would be NaN)
+    assert r["weights_finite"]
 
 
 def test_no_shared_memory_left_behind(report):

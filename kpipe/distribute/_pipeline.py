@@ -12,7 +12,8 @@ weights. The returned `PipelineModel` tracks the clones in the order of `model.l
 
 One training step on a batch of N samples (M = `num_microbatches`)::
 
-    x --split--> x_0 .. x_{M-1}        sizes ceil/floor(N/M): any N works
+    x --split--> x_0 .. x_{M-1}        sizes ceil/floor(N/M): any N works (N < M: the
+                                       empty ones get x's last row, ignored below)
     forward   for m: h = x_m; for k: [dev k, tape T_mk] h = stage_k(h)   (acts kept)
     loss      [dev K-1] y_pred = concat_m(h_m); loss, metrics on the WHOLE batch, as Keras
               computes them (sample_weight, class_weight, loss weights, regularizers);
@@ -160,10 +161,11 @@ class PipelineModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         pipe = self._pipe
         sizes = pipe.microbatch_sizes(x)
-        records, outputs = pipe.forward_with_tapes(pipe.split(x, sizes, pipe.stages[0].device))
+        microbatches, rows = pipe.split_inputs(x, sizes)
+        records, outputs = pipe.forward_with_tapes(microbatches)
         trainable = self.trainable_variables
         with tf.device(pipe.stages[-1].device), tf.name_scope("pipeline_loss"):
-            y_pred = _concat(outputs)
+            y_pred = _concat(pipe.trim(outputs, sizes))
             flat_pred = tf.nest.flatten(y_pred)
             with tf.GradientTape() as tape:
                 tape.watch(flat_pred)
@@ -172,7 +174,7 @@ class PipelineModel(keras.Model):
                 if self.optimizer is not None:
                     loss = self.optimizer.scale_loss(loss)
             grads = tape.gradient(loss, flat_pred + list(trainable))
-            pred_grads = [pipe.split(g, sizes) if g is not None else [None] * pipe.num_microbatches
+            pred_grads = [pipe.pad(pipe.split(g, sizes), sizes, rows) if g is not None else [None] * pipe.num_microbatches
                           for g in grads[: len(flat_pred)]]
         if trainable:
             direct = dict(zip(map(id, trainable), grads[len(flat_pred):]))  # weight regularizers
@@ -222,16 +224,54 @@ class _Pipeline:
             pieces = [tf.split(t, sizes, num=self.num_microbatches, axis=0) for t in tf.nest.flatten(x)]
         return [tf.nest.pack_sequence_as(x, [p[m] for p in pieces]) for m in range(self.num_microbatches)]
 
+    def split_inputs(self, x, sizes):
+        """`x` cut into the M micro-batches the stages run, none of them empty; returns
+        `(microbatches, rows)`, `rows[m]` the rows of micro-batch m.
+
+        A batch of fewer than M rows would leave micro-batches empty, and layers are not
+        all safe on 0 rows (TensorFlow's oneDNN Conv2D on some x86 CPUs returns a tensor
+        of the wrong shape, and its gradient fails; BatchNormalization's moving statistics
+        would turn NaN). Those micro-batches get the batch's last row instead; `trim`
+        drops its outputs and `pad` gives it a zero output gradient, so it changes
+        neither the loss nor the gradients (only statistics a layer keeps of what it sees).
+        """
+        m = self.num_microbatches
+        if m == 1:
+            return [x], sizes
+        with tf.device(self.stages[0].device):
+            n = _batch_size(x)
+            short = tf.logical_and(n > 0, n < m)
+
+            def repeat_last():
+                return tf.nest.map_structure(lambda t: tf.concat([t, tf.gather(t, tf.fill([m - n], n - 1))], 0), x)
+
+            x = tf.cond(short, repeat_last, lambda: x)
+            rows = tf.maximum(sizes, tf.minimum(n, 1))
+        return self.split(x, rows, self.stages[0].device), rows
+
+    def trim(self, outputs, sizes):
+        """The last stage's outputs of each micro-batch, without rows `split_inputs` added."""
+        if self.num_microbatches == 1:
+            return outputs
+        return [tf.nest.map_structure(lambda t: t[: sizes[m]], out) for m, out in enumerate(outputs)]
+
+    def pad(self, pieces, sizes, rows):
+        """Gradient `pieces` of each micro-batch, with zeros for the rows `split_inputs` added."""
+        if self.num_microbatches == 1:
+            return pieces
+        return [tf.pad(g, [[0, rows[m] - sizes[m]]] + [[0, 0]] * (g.shape.rank - 1)) for m, g in enumerate(pieces)]
+
     def forward(self, x):
         """Inference: every micro-batch through every stage, outputs joined on the last device."""
         outputs = []
-        for h in self.split(x, self.microbatch_sizes(x), self.stages[0].device):
+        sizes = self.microbatch_sizes(x)
+        for h in self.split_inputs(x, sizes)[0]:
             for stage in self.stages:
                 with tf.device(stage.device), tf.name_scope(f"pipeline_stage_{stage.index}"):
                     h = stage.model(h, training=False)
             outputs.append(h)
         with tf.device(self.stages[-1].device):
-            return _concat(outputs)
+            return _concat(self.trim(outputs, sizes))
 
     def forward_with_tapes(self, microbatches):
         """Training forward pass, one tape per (micro-batch, stage).
@@ -295,7 +335,8 @@ def pipeline_model(model, devices, *, split_at=None, num_microbatches=4):
     concatenated outputs -- exactly as the unsplit model computes them -- and the
     gradients of the micro-batches are summed, which is the full-batch gradient for any
     loss (mean or not) and any batch size (the micro-batch sizes differ by at most one;
-    a batch smaller than M leaves some empty). One optimizer update per batch. The
+    a batch smaller than M repeats its last sample in the micro-batches that would be
+    empty, whose outputs and gradients are dropped). One optimizer update per batch. The
     exception: `BatchNormalization` in training normalizes each micro-batch with its own
     statistics and updates its moving averages once per micro-batch (warned).
 
