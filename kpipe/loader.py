@@ -80,9 +80,11 @@ class ProcessLoader(keras.utils.PyDataset):
             about `max_queue_size` batches. The loader starts with two per worker
             (enough to keep every worker busy when batches take similar times) and
             goes deeper, up to this bound, only when a worker sat idle while the
-            consumer waited for a slower batch. Defaults to `max(4, 2 * workers)`
-            (with `workers="auto"`, twice the most workers it may run; it also caps
-            that number).
+            consumer waited for a slower batch; a batch takes a new shared-memory
+            slot only for a worker that would idle otherwise, so the slots number
+            about the batches in flight plus those you hold. Defaults to
+            `max(4, 2 * workers)` (with `workers="auto"`, twice the most workers it
+            may run; it also caps that number).
         max_queue_bytes: Also bound the bytes loaded ahead: fewer batches are queued
             when the last batch times the queue length would exceed it (at least one
             batch per worker stays in flight). Defaults to None (batches only).
@@ -209,8 +211,12 @@ class ProcessLoader(keras.utils.PyDataset):
         self._checker = _tree.StructureChecker(self._name)
         # Batches kept in flight: two per worker, grown (up to max_queue_size) when a
         # worker idles behind a slow batch. Fewer slots in flight means less shared
-        # memory, and fewer slots to create (and page in) before the first pass flows.
+        # memory, and fewer slots to create (and page in) before the first pass flows
+        # (the NOTE in kpipe/_engine/_pool.py: when a batch may take a new slot).
         self._window = max_queue_size if workers == 0 else min(max_queue_size, 2 * workers)
+        self._consumer_releases = True  # it drops each batch as it takes the next one
+        self._slot_awaited = False  # a batch waits for the consumer to release a slot
+        self._releases_seen = 0  # slot releases when it began to wait
         self._stats = {
             "batches": 0, "samples": 0, "bytes": 0, "last_batch_bytes": 0, "wait_s": 0.0,
             "first_batch_s": None, "restarts": 0, "loads": 0, "discards": 0, "passes": 0,
@@ -543,13 +549,17 @@ class ProcessLoader(keras.utils.PyDataset):
             batch = entry.batch
             if not keep:
                 del self._queue[key]
-                self._fill(after=self._cursor.successor(key, cross_passes=not self._stateful))
+                self._fill_after_read(key)
             return batch
-        window_full = self._in_flight() >= self._limit() and self._next_dispatch() is not None
+        if self._slot_awaited:  # did the consumer release a batch since (_fill_after_read)?
+            self._slot_awaited = False
+            self._consumer_releases = backend.slot_releases > self._releases_seen
+        elif not self._consumer_releases and isinstance(backend, ProcessBackend):
+            self._consumer_releases = backend.slots_held() <= 1  # it holds its last batch only
+        self._fill()
         t0 = time.perf_counter()
         try:
-            deepen = self._deepen if window_full and self._window < self.max_queue_size else None
-            batch, treedef, meta = backend.get(entry.seq, on_starved=deepen)
+            batch, treedef, meta = backend.get(entry.seq, on_starved=lambda: self._starved(entry.seq))
         except BaseException:
             self._queue.pop(key, None)
             self._after_failure()
@@ -568,7 +578,7 @@ class ProcessLoader(keras.utils.PyDataset):
             entry.batch = batch
         else:
             del self._queue[key]
-        self._fill(after=self._cursor.successor(key, cross_passes=not self._stateful))
+        self._fill_after_read(key)
         if self._autoscaler is not None:
             self._maybe_autoscale()
         return batch
@@ -642,16 +652,37 @@ class ProcessLoader(keras.utils.PyDataset):
             return None
         return max(key, self._cursor.head)
 
-    def _fill(self, after=_UNSET):
+    def _fill(self, after=_UNSET, new_slot=True):
+        """Submits batches up to the window. One that would need a new shared-memory slot
+        (none free) waits while every worker has work -- or, with `new_slot=False`, even
+        if one idles -- for the consumer to release one (see `_starved`). Returns True
+        if a batch waits so."""
         backend = self._backend
         if backend is None or backend.closed:
-            return
+            return False
         limit = self._limit()
+        needs_new_slot = getattr(backend, "needs_new_slot", None)
         while self._in_flight() < limit:
             key = self._next_dispatch(after)
             if key is None:
-                return
+                return False
+            if needs_new_slot is not None and needs_new_slot(for_idle_worker=new_slot):
+                return True
             self._queue[key] = self._submit(key)
+        return False
+
+    def _fill_after_read(self, key=None):
+        """The fill after a read (of `key`) or a pass end. A consumer that holds an older
+        batch besides this one usually releases it as it takes this one (`x, y =
+        loader[i]`), so a batch that needs a new slot waits for the next read, even for
+        an idle worker -- unless the consumer released nothing between the last such wait
+        and the next read (it keeps its batches, in a list say): then loading goes on in
+        new slots, until it holds one batch at most again."""
+        after = _UNSET if key is None else self._cursor.successor(key, cross_passes=not self._stateful)
+        backend = self._backend
+        wait = self._consumer_releases and isinstance(backend, ProcessBackend) and backend.slots_held() >= 2
+        if self._fill(after=after, new_slot=not wait) and wait:
+            self._slot_awaited, self._releases_seen = True, backend.slot_releases
 
     def _after_pass(self):
         """A pass ended: the dataset's own `on_epoch_end`/`on_epoch_begin` run here, its
@@ -678,7 +709,7 @@ class ProcessLoader(keras.utils.PyDataset):
                 self._deferred = exc
         self._dataset_lengths[head[0]] = n
         self._cursor.set_length(head[0], self._planner.length(n))
-        self._fill()
+        self._fill_after_read()
 
     def _jump(self, pass_, position, num_batches):
         for k in list(self._queue):
@@ -800,11 +831,34 @@ class ProcessLoader(keras.utils.PyDataset):
             self._backend = None
             self._queue.clear()
 
-    def _deepen(self):
-        """A worker ran out of work while the consumer waits for a slower batch: batch
-        times vary, and one more batch in flight per worker keeps every worker busy."""
-        self._window = min(self.max_queue_size, self._window + self.num_workers)
+    def _starved(self, seq):
+        """A worker ran out of work while the consumer waits for batch `seq`. Returns
+        whether to be told again during this wait.
+
+        First it gets the next batch to load: one that waited for a free slot now takes
+        a new slot, since a worker idles otherwise. If the window is full instead, batch
+        times vary, and one more batch in flight per worker keeps every worker busy: the
+        window deepens, once per wait -- unless `seq` is its worker's first use of its
+        slot, a delay (the kernel allocating or mapping the slot's pages) that does not
+        recur, where more batches in flight would mean more slots, each paying it again.
+        Then (or when the window is at `max_queue_size`) the idle worker allocates a
+        slot the window will need -- one per batch in flight and one the consumer
+        holds -- instead of idling (`ProcessBackend.prepare_slots`).
+        """
+        loads = self._stats["loads"]
         self._fill()
+        if self._stats["loads"] > loads:
+            return True
+        backend = self._backend
+        processes = isinstance(backend, ProcessBackend)
+        if self._in_flight() >= self._limit() and self._next_dispatch() is not None:
+            if self._window < self.max_queue_size and not (processes and backend.is_first_use(seq)):
+                self._window = min(self.max_queue_size, self._window + self.num_workers)
+                self._fill()
+                return False
+            if processes:
+                return backend.prepare_slots(up_to=self._limit() + 1) > 0
+        return False
 
     def _limit(self):
         """Batches to keep in flight now: the window, within max_queue_bytes if set."""

@@ -122,8 +122,11 @@ def test_loader_with_a_replacing_dataset_keeps_descriptors_flat(no_leaks):
                 gc.collect()
                 workers = sorted((p.pid for p in kpipe_children() if p.pid not in before_children))
                 counts.append((memfd_count(os.getpid()), array_mappings(os.getpid()), [(memfd_count(p), array_mappings(p)) for p in workers]))
-    assert counts[0] == counts[1], counts
-    assert counts[1][1] == 1 and all(maps == 1 for _, maps in counts[1][2])
+    # the main process: one descriptor per slot and per shared array, and one array mapped
+    assert counts[0][:2] == counts[1][:2], counts
+    # each worker: at most _WORKER_SLOT_FDS slot descriptors (how many slots it has used
+    # depends on timing), none for arrays, and the newest array mapped only
+    assert counts[1][1] == 1 and all(fds <= _pool._WORKER_SLOT_FDS and maps == 1 for fds, maps in counts[1][2]), counts
 
 
 # ---------------------------------------------------------------- held batches

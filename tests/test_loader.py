@@ -234,8 +234,10 @@ def test_max_queue_bytes_limits_batches_in_flight(no_leaks):
     with kpipe.ProcessLoader(ds, workers=2, max_queue_size=10, max_queue_bytes=2048 * 3) as loader:
         assert len(loader._queue) == 2  # one per worker until a batch size is known
         loader[0]
-        assert len(loader._queue) == 3  # 6 KiB / 2 KiB per batch
-        assert all(equal_batches(loader[i], ds[i]) for i in range(1, 30))
+        assert loader.stats()["queue_depth"] == 3  # 6 KiB / 2 KiB per batch
+        for i in range(1, 30):
+            assert equal_batches(loader[i], ds[i])
+            assert len(loader._queue) <= 3
     with pytest.raises(ValueError, match="`max_queue_bytes` must be >= 1"):
         kpipe.ProcessLoader(ds, workers=0, max_queue_bytes=0)
 
@@ -245,7 +247,10 @@ def test_queue_deepens_only_when_a_worker_idles_behind_a_slow_batch(kw, no_leaks
     from _datasets import Stalls
 
     with kpipe.ProcessLoader(Squares(n=12), max_queue_size=9, **kw) as loader:
-        assert loader.stats()["queue_depth"] == len(loader._queue) == 4  # two per worker
+        assert loader.stats()["queue_depth"] == 4  # two per worker
+        # threads need no slots; processes start one batch per worker, each in a new slot,
+        # and take a second slot only once one of them idles (test_slots_are_...)
+        assert len(loader._queue) == (4 if kw.get("use_threads") else 2)
         assert all(equal_batches(loader[i], Squares(n=12)[i]) for i in range(12))
     # Every 4th batch takes 0.3 s: the other worker finishes its two batches and idles
     # while the consumer waits, so the loader allows more in flight -- up to the bound.
@@ -340,29 +345,34 @@ def test_a_task_goes_to_an_idle_worker_that_has_mapped_a_free_slot(no_leaks):
         backend.close()
 
 
-def test_a_batch_late_on_its_slots_first_use_does_not_deepen_the_queue(no_leaks):
+def test_a_worker_idle_behind_a_slots_first_use_prepares_a_slot_instead_of_deepening(no_leaks):
     from _datasets import Stalls
 
-    from kpipe._engine._pool import ProcessBackend
+    # Batches 0 and 4 take 0.3 s. Batch 0 is also its worker's first use of its slot (a
+    # delay that does not recur): the other worker loads 1, 2 and 3 meanwhile, then idles.
+    with kpipe.ProcessLoader(Stalls(n=8, every=4, stall_s=0.3), workers=2, max_queue_size=9) as loader:
+        backend = loader._backend
+        assert int(loader[0][0, 0]) == 0
+        assert loader.stats()["queue_depth"] == 4  # not deepened ...
+        assert len(backend._slots) == 5  # ... the idle worker made the slot the window needs,
+        assert not backend.is_first_use(loader._queue[(0, 4)].seq)  # and batch 4 is not a first use
+        # batch 4 is slow again, in a slot its worker has written before: deepening helps
+        assert [int(loader[i][0, 0]) for i in range(1, 8)] == list(range(1, 8))
+        assert loader.stats()["queue_depth"] > 4
 
-    backend = ProcessBackend(Stalls(n=8, every=4, stall_s=0.3), num_workers=2, mode="dataset", start_method="forkserver",
-                             timeout=60.0, seed=0, name="Stalls", keep_idle=8)
-    try:
-        starved = []
-        first = backend.submit(0)  # slow, in a slot new to its worker
-        backend.submit(1)
-        assert backend._tasks[first].fresh
-        backend.get(first, on_starved=lambda: starved.append(0))
-        assert starved == []  # the other worker idled, but only because a slot was new
-        backend.get(1)
-        late = backend.submit(4)  # slow again, now in a slot its worker has written
-        other = backend.submit(5)
-        assert not backend._tasks[late].fresh
-        backend.get(late, on_starved=lambda: starved.append(4))
-        assert starved == [4]
-        backend.get(other)
-    finally:
-        backend.close()
+
+def test_slots_are_made_for_idle_workers_only(no_leaks):
+    """A consumer that holds its previous batch while it reads the next one: every batch
+    in flight has a slot, plus the one it holds -- never one more (a slot for a batch that
+    would only queue behind a busy worker waits for the consumer to release one)."""
+    with kpipe.ProcessLoader(Squares(n=40), workers=2) as loader:
+        slots = loader._backend._slots
+        for epoch in range(3):
+            for i in range(len(loader)):
+                x, y = loader[i]  # the previous x, y are dropped only now
+                assert len(slots) <= loader.stats()["queue_depth"] + 1
+                assert equal_batches((x, y), Squares(n=40)[i])
+            loader.on_epoch_end()
 
 
 def test_set_epoch_replays_the_plan_of_that_epoch(no_leaks):

@@ -26,12 +26,23 @@ with the task):
 A slot is written only while it is "in flight" (acquired, not yet leased), so a consumer
 never sees its arrays change. Slots the consumer still holds do not stall loading: a new
 slot is created instead; idle slots beyond `keep_idle` are closed and workers are told to
-unmap them with the next task they get. How many tasks are in flight is the owner's
-choice (`ProcessLoader` keeps two per worker and goes deeper, up to `max_queue_size`, when
-`get(seq, on_starved=...)` reports a worker idle behind a slow batch -- unless that batch
-was its worker's first use of its slot, a delay that does not recur): each slot costs a
-batch of memory and, on first use, the kernel's allocation and zeroing of its pages (in
-the worker that grows it, with one fallocate) and each further process's mapping of them.
+unmap them with the next task they get.
+
+Each slot costs a batch of memory and, on first use, the kernel's allocation and zeroing
+of its pages (in the worker that grows it, with one fallocate: ~0.65 ms per MB, several
+times that on a virtual machine that has handed the freed memory back to its host) and
+each further process's mapping of them (~0.25 ms per MB for a worker, less for the
+consumer's reads). So the owner decides how many tasks are in flight and when a task may
+take a new slot (`ProcessLoader`, see `_fill` and `_starved` in `kpipe/loader.py`):
+  * up to a window: two per worker, deeper (up to `max_queue_size`) when `get(seq,
+    on_starved=...)` reports a worker idle behind a slow batch -- unless that batch is its
+    worker's first use of its slot (`is_first_use`), a delay that does not recur;
+  * a task takes a free slot if there is one (`needs_new_slot`); a new slot only for a
+    worker that would otherwise idle, and not between a read and the next one (the
+    consumer releases its previous batch when it takes the new one), so the slots
+    number at most the window plus what the consumer holds;
+  * a worker idle behind a first use, with the window full, allocates the slot the
+    window will need ahead (`prepare_slots`), so that no later batch pays for it.
 A Ctrl-C while `get` waits discards that task: its slot is freed when the worker's answer
 arrives.
 
@@ -122,6 +133,7 @@ _START_METHODS = ("forkserver", "spawn", "fork")
 # `fresh`: the worker had not mapped the task's slot before (its first use costs it the
 # kernel's allocation or mapping of the slot's pages, a one-time delay).
 _Task = collections.namedtuple("_Task", "worker key slot in_slot fresh")
+_PREPARE = "prepare"  # in a worker's `pending`: it allocates a slot (`prepare_slots`)
 
 
 class _KeyErrorMessage(str):
@@ -196,6 +208,7 @@ class ProcessBackend:
         self._payload = self._keys = self._zygote_keys = None
         self._reset_since_fork = False  # the fork server holds an older target
         self.timings = [0, 0.0, 0.0, 0.0]  # batches done; their wall, CPU and run-queue seconds
+        self._slot_bytes = 0  # slot bytes the last batch used
         try:
             if start_method == "forkserver":
                 # Start the server first: its interpreter and imports (~0.2 s) overlap
@@ -395,6 +408,30 @@ class ProcessBackend:
     def pids(self):
         return [p.pid for p in self._active]
 
+    def needs_new_slot(self, for_idle_worker=True):
+        """Whether a task submitted now would need a new slot, none being free, although
+        every live worker is busy (or, with `for_idle_worker=False`, even if one idles).
+        The owner may then wait for the consumer to release one (see the NOTE above)."""
+        if self._slots.has_free():
+            return False
+        return not (for_idle_worker and any(not p.pending and p.dead_error is None for p in self._active))
+
+    def slots_held(self):
+        """Slots whose batches the consumer holds: handed out by `get`, not released."""
+        busy = sum(1 + (t.in_slot is not None) for t in self._tasks.values())
+        busy += sum(p.pending.count(_PREPARE) for p in self._procs)
+        return len(self._slots) - len(self._slots.free_ids()) - busy
+
+    @property
+    def slot_releases(self):
+        """How many times a slot was released (by the consumer, or a discarded task)."""
+        return self._slots.releases
+
+    def is_first_use(self, seq):
+        """Whether task `seq` is its worker's first use of its slot."""
+        task = self._tasks.get(seq)
+        return task is not None and task.fresh
+
     def submit(self, key, inputs=None, seed=None):
         """Queues `target[key]` (or `target(inputs)`); with `seed`, the worker reseeds
         `random` and `numpy.random` with it first. Returns the task's `seq`."""
@@ -419,31 +456,72 @@ class ProcessBackend:
             raise
         self._tasks[seq] = _Task(proc, key, slot, in_slot, slot not in proc.known_slots)
         if proc.dead_error is None:
-            task_slots = [slot] if in_slot is None else [slot, in_slot]
-            fd_slots, close = self._slot_fds(proc, task_slots)
-            self._queue_drops()
-            drops, proc.drops = proc.drops, []
-            msg = ("task", seq, key, slot, in_info, fd_slots, close, drops, seed)
             # A failure is raised by get(seq), when the consumer reaches this batch: the
             # batches before it (perhaps from other workers) are still delivered.
-            fds = [self._slots.segments[s].fd for s in fd_slots]
-            try:
-                sent = self._send(proc, msg, fds, _wire.deadline_after(self.timeout), key=key, defer=True)
-            except BaseException:  # interrupted before the task was written: forget it
-                if not self.closed:
-                    for s in fd_slots:
-                        proc.fd_slots.pop(s, None)
-                    for s in close:  # the worker still holds these
-                        proc.fd_slots[s] = None
-                        proc.fd_slots.move_to_end(s, last=False)
-                    proc.drops.extend(drops)
-                    self._release_task(seq)
-                raise
-            if sent:
-                proc.known_slots.update(task_slots)
-                proc.known_slots.difference_update(drops)
+            self._send_with_slots(
+                proc,
+                lambda fd_slots, close, drops: ("task", seq, key, slot, in_info, fd_slots, close, drops, seed),
+                [slot] if in_slot is None else [slot, in_slot],
+                key=key,
+                on_abort=lambda: self._release_task(seq),
+            )
         proc.pending.append(seq)
         return seq
+
+    def _send_with_slots(self, proc, make_msg, task_slots, key=None, on_abort=None):
+        """Sends `make_msg(fd_slots, close, drops)` to `proc` with the descriptors of
+        `task_slots` it lacks; returns True if sent (see `_send`). Interrupted before the
+        message was written, it restores the descriptor bookkeeping, calls `on_abort()`
+        and re-raises."""
+        fd_slots, close = self._slot_fds(proc, task_slots)
+        self._queue_drops()
+        drops, proc.drops = proc.drops, []
+        fds = [self._slots.segments[s].fd for s in fd_slots]
+        try:
+            sent = self._send(proc, make_msg(fd_slots, close, drops), fds, _wire.deadline_after(self.timeout), key=key, defer=True)
+        except BaseException:  # interrupted before the message was written: forget it
+            if not self.closed:
+                for s in fd_slots:
+                    proc.fd_slots.pop(s, None)
+                for s in close:  # the worker still holds these
+                    proc.fd_slots[s] = None
+                    proc.fd_slots.move_to_end(s, last=False)
+                proc.drops.extend(drops)
+                if on_abort is not None:
+                    on_abort()
+            raise
+        if sent:
+            proc.known_slots.update(task_slots)
+            proc.known_slots.difference_update(drops)
+        return sent
+
+    def prepare_slots(self, up_to):
+        """Has each idle live worker allocate and map one new slot the size of the last
+        batch, while fewer than `up_to` slots exist; the slots are free once ready, and
+        that worker's next tasks prefer them. Returns how many were started.
+
+        Every slot costs the kernel's allocation of its pages on first use (and, on
+        virtual machines that hand freed memory back to the host, the host's too): a
+        worker that would idle pays it now, instead of a batch in the consumer's way."""
+        started, nbytes = 0, self._slot_bytes
+        for proc in self._active:
+            if not nbytes or len(self._slots) >= up_to:
+                break
+            if proc.pending or proc.dead_error is not None:
+                continue
+            slot = self._slots.create()
+            sent = self._send_with_slots(
+                proc,
+                lambda fd_slots, close, drops: ("prepare", slot, nbytes, fd_slots, close, drops),
+                [slot],
+                on_abort=lambda: self._slots.release(slot),
+            )
+            if not sent:
+                self._slots.release(slot)
+                continue
+            proc.pending.append(_PREPARE)
+            started += 1
+        return started
 
     def _slot_fds(self, proc, task_slots):
         """Which of `task_slots` need their descriptor sent to `proc`, and which held
@@ -491,7 +569,7 @@ class ProcessBackend:
         return False
 
     def _send_timed_out(self, proc, kind, key):
-        busy = next((self._tasks[s].key for s in proc.pending if s != "state" and s in self._tasks and self._tasks[s].key != key), None)
+        busy = next((self._tasks[s].key for s in proc.pending if s in self._tasks and self._tasks[s].key != key), None)
         what = {"init": f"`{self.name}` to start", "state": f"the new state of `{self.name}` (after on_epoch_end)"}.get(
             kind, f"batch {key} of `{self.name}`" if key is not None else f"a task of `{self.name}`"
         )
@@ -507,12 +585,10 @@ class ProcessBackend:
     def get(self, seq, on_starved=None):
         """Waits for task `seq`; returns `(tree, treedef, meta)`, meta = [(dtype_str, shape)].
 
-        `on_starved()`, if given, is called (once) if a live worker runs out of tasks
-        while this one is still loading: the caller may submit more. Not when this task
-        is its worker's first use of its slot: paging in a large slot can take longer
-        than a batch, but only once, and more batches in flight would mean more slots,
-        each paying it again. If the wait is
-        interrupted (Ctrl-C), the task is discarded and its slot freed when it arrives.
+        `on_starved()`, if given, is called whenever a live worker is out of tasks while
+        this one is still loading (after each message that leaves one idle), until it
+        returns False: the caller may submit more. If the wait is interrupted (Ctrl-C),
+        the task is discarded and its slot freed when it arrives.
         """
         self._check_open()
         deadline = _wire.deadline_after(self.timeout)
@@ -526,9 +602,8 @@ class ProcessBackend:
                     self._fail(self._timed_out(seq))
                 self._pump(remaining)
                 if on_starved is not None and seq not in self._results and any(not p.pending and p.dead_error is None for p in self._active):
-                    on_starved, starved = None, on_starved
-                    if not self._tasks[seq].fresh:  # a slot's first use is late only once
-                        starved()
+                    if not on_starved():
+                        on_starved = None
         except Exception:
             raise
         except BaseException:  # KeyboardInterrupt: nobody will ask for this batch again
@@ -652,6 +727,7 @@ class ProcessBackend:
                 except ValueError:
                     pass
             if kind == "done":
+                self._slot_bytes = max((o + n for o, n, _, _ in msg[3]), default=0)
                 t = self.timings
                 t[0] += 1
                 t[1] += msg[4]
@@ -666,6 +742,11 @@ class ProcessBackend:
                 self._stop_if_idle(proc)
         elif kind == "state-ok":
             proc.pending.remove("state")
+        elif kind == "prepared":
+            proc.pending.remove(_PREPARE)
+            self._slots.release(msg[1])
+            if proc.retiring:
+                self._stop_if_idle(proc)
         elif kind == "init-error":
             exc = rebuild_exception(msg[1], f"in kpipe worker {proc.id} (pid {proc.pid}) while unpickling `{self.name}`")
             self._fail(exc)
@@ -679,7 +760,7 @@ class ProcessBackend:
                 f"kpipe's fork server (pid {proc.pid}) for `{self.name}` {describe_exit(code)} "
                 "Its workers stop with it; using the loader again starts new ones."
             )
-        running = next((s for s in proc.pending if s != "state"), None)
+        running = next((s for s in proc.pending if s in self._tasks), None)
         loading = self._tasks[running].key if running in self._tasks else None
         if self._mode == "function" and running is not None:
             what = f"while running `{self.name}` on item {running}"
@@ -774,8 +855,8 @@ class ThreadBackend:
             if deadline is not None and time.monotonic() >= deadline:
                 break
             if not fut.done() and 1 + sum(not f.done() for _, f in self._futures.values()) < self._num_workers:
-                on_starved, starved = None, on_starved
-                starved()
+                if not on_starved():
+                    on_starved = None
         try:
             return fut.result(timeout=_wire.remaining(deadline))
         except concurrent.futures.TimeoutError:

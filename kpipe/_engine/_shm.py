@@ -435,6 +435,7 @@ class SlotPool:
         self._keep_idle = keep_idle
         self._name = name
         self._closed = False
+        self.releases = 0  # calls of release(), ever
 
     def acquire(self, prefer=()):
         """Returns `(slot_id, created)`: preferably a free slot in `prefer`, else the most
@@ -449,16 +450,34 @@ class SlotPool:
                     if self._free[i] in prefer:
                         return self._free.pop(i), False
                 return self._free.pop(), False
-            try:
-                segment = Segment.create(0, self._name)
-            except OSError as exc:
-                if is_fd_exhaustion(exc):
-                    raise fd_limit_error(exc, f"create shared memory for one more batch ({len(self.segments)} in use)") from exc
-                raise
-            slot = self._next_id
-            self._next_id += 1
-            self.segments[slot] = segment
-            return slot, True
+            return self._create(), True
+
+    def create(self):
+        """Returns the id of a new slot (in use, like an acquired one)."""
+        with self._lock:
+            return self._create()
+
+    def _create(self):
+        try:
+            segment = Segment.create(0, self._name)
+        except OSError as exc:
+            if is_fd_exhaustion(exc):
+                raise fd_limit_error(exc, f"create shared memory for one more batch ({len(self.segments)} in use)") from exc
+            raise
+        slot = self._next_id
+        self._next_id += 1
+        self.segments[slot] = segment
+        return slot
+
+    def __len__(self):
+        """Slots alive: free, in flight or held by the consumer."""
+        with self._lock:
+            return len(self.segments)
+
+    def has_free(self):
+        """Whether a free slot exists (a task can take one without creating a slot)."""
+        with self._lock:
+            return bool(self._free)
 
     def free_ids(self):
         """The ids of the free slots, as a frozenset."""
@@ -467,6 +486,7 @@ class SlotPool:
 
     def release(self, slot):
         with self._lock:
+            self.releases += 1
             if self._closed or slot not in self.segments:
                 return
             if len(self._free) >= self._keep_idle:

@@ -9,10 +9,14 @@ Protocol (main -> worker, over one Unix socket, after `init`):
   ("init", cfg)                                         then the shared-array fds
   ("task", seq, key, out_slot, inputs, fds, close, drop, seed) then the fds of the slots in `fds`
   ("state", payload, new_keys, drop_keys)                then the fds of the new arrays
+  ("prepare", slot, nbytes, fds, close, drop)           then the fds of the slots in `fds`
   ("stop",)
 worker -> main:
   ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s, cpu_s, runq_s)
-  ("error", seq, exc) | ("state-ok",)
+  ("error", seq, exc) | ("state-ok",) | ("prepared", slot)
+
+`prepare` has an idle worker allocate and map the first `nbytes` of a new slot (what its
+first batch there would otherwise pay; see the NOTE in `_pool.py`).
 
 Descriptors: a worker maps each shared dataset array once and closes its descriptor at
 once (arrays never change size; a changed one comes back under a new key). It keeps the
@@ -231,6 +235,14 @@ class _Worker:
                     conn.send(("error", seq, pack_exception(exc)))
                 else:
                     conn.send(("done", seq, treedef, layout) + timings)
+            elif kind == "prepare":
+                _, slot, nbytes, fd_slots, close, drop = msg
+                self._take_slots(fd_slots, close, drop)
+                try:
+                    self.slots[slot].reserve(nbytes)
+                except OSError:
+                    pass  # e.g. out of memory: the batch that uses the slot reports it
+                conn.send(("prepared", slot))
             elif kind == "state":
                 _, payload, new_keys, drop_keys = msg
                 self._adopt_arrays(new_keys)
