@@ -28,6 +28,14 @@ rounds; its best throughput is reported (this 2-core VM's speed drifts by +-20% 
 minute to minute; interference only ever slows a run). Peak RSS is summed over the
 process tree (shared pages count once per process that maps them).
 
+Before each run (the ceiling's too) the benchmark writes and frees `--warm-mb` MB of
+memory. A virtual machine that reports free memory to its host (virtio-balloon free
+page reporting, as on the VM this was written on) hands memory back seconds after it is
+freed, and the guest's next first touch of it then costs the host's page faults too:
+1 GiB took 1.7 s to populate after a 3 s pause here, 0.32 s right after another
+populate. Without the warm-up, whichever loader allocates new memory early in its run
+(a process pool forked per epoch, shared-memory slots) pays that at random.
+
     python scripts/bench_loaders.py                 # all workloads, workers=2
     python scripts/bench_loaders.py --workloads b,b-direct
     python scripts/bench_loaders.py --json out.json
@@ -342,8 +350,15 @@ def run_ceiling(make, epochs, workers):
     return total / (max(ends) - min(starts))
 
 
+def warm_memory(mb):
+    """Writes and frees `mb` MB, so that the next allocations of this machine reuse memory
+    its hypervisor has not taken back (see the module docstring)."""
+    if mb > 0:
+        np.ones(int(mb) << 20, dtype=np.uint8)  # allocated, written and freed (munmap)
+
+
 # ------------------------------------------------------------------------------- driver
-def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup=0):
+def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup=0, warm_mb=0):
     """Runs every loader (and the ceiling) `repeats` times, in rounds, so that drift in
     the machine's speed spreads over all of them; keeps each one's best throughput (noise
     only ever slows a run down), the median time to first batch and the highest RSS."""
@@ -351,6 +366,7 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
     ceilings = []
     for _ in range(repeats):
         for kind in loaders:
+            warm_memory(warm_mb)
             with PeakRSS() as rss:
                 if kind == "tf.data":
                     rate, first_s, batches = run_tfdata(make, epochs, workers, max_queue, warmup)
@@ -358,6 +374,7 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
                     rate, first_s, batches = run_pydataset(make, kind, epochs, workers, max_queue, warmup)
             runs[kind].append((rate, first_s, rss.peak / 2**20, batches))
             print(f"  {workload}: {kind:<14} {runs[kind][-1][0]:10.1f} samples/s", flush=True)
+        warm_memory(warm_mb)
         ceilings.append(run_ceiling(make, epochs, workers))
         print(f"  {workload}: {'ceiling':<14} {ceilings[-1]:10.1f} samples/s", flush=True)
     rows = []
@@ -457,6 +474,7 @@ def main(argv=None):
     parser.add_argument("--max-queue-size", type=int, default=10, help="batches in flight. Default: 10")
     parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")
     parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")
+    parser.add_argument("--warm-mb", type=int, default=1024, help="MB written and freed before each run (0: none; see above). Default: 1024")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every loader, in rounds; the best throughput counts. Default: 3")
     parser.add_argument("--loaders", default=",".join(_LOADERS), help=f"comma-separated subset of {','.join(_LOADERS)} (the ceiling always runs). Default: all")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (a smoke test, not a measurement)")
@@ -483,35 +501,38 @@ def main(argv=None):
         parser.error(f"--warmup-epochs must be >= 0. Received: {args.warmup_epochs}")
     if repeats < 1:
         parser.error(f"--repeats must be >= 1. Received: {args.repeats}")
+    if args.warm_mb < 0:
+        parser.error(f"--warm-mb must be >= 0. Received: {args.warm_mb}")
+    warm_mb = int(args.warm_mb * scale)
     rows, growth = [], None
     tmpdir = tempfile.mkdtemp(prefix="kpipe-bench-")
     try:
         if "a" in workloads:
             make = lambda **kw: Augment(num_images=int(2048 * scale), **kw)  # noqa: E731
-            rows += measure("a", make, loaders, epochs["a"], args.workers, args.max_queue_size, repeats, args.warmup_epochs)
+            rows += measure("a", make, loaders, epochs["a"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb)
             if args.rss_epochs:
                 growth = rss_growth(make, min(args.rss_epochs, 4) if args.quick else args.rss_epochs, args.workers)
         if "b" in workloads or "b-direct" in workloads:
             path = make_h5(os.path.join(tmpdir, "images.h5"), args.h5_mb * scale)
         if "b" in workloads:
             make = lambda **kw: H5Samples(path, **kw)  # noqa: E731
-            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs)
+            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb)
         if "b-direct" in workloads:
             make = lambda **kw: H5Contiguous(path, **kw)  # noqa: E731
-            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats, args.warmup_epochs)
+            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb)
         if "c" in workloads:
             n = max(8, int(48 * scale))
             make = lambda **kw: Waits(n=n, **kw)  # noqa: E731
-            rows += measure("c", make, loaders, epochs["c"], args.workers, args.max_queue_size, repeats, args.warmup_epochs)
+            rows += measure("c", make, loaders, epochs["c"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb)
             io_loaders = [x for x in loaders if x != "tf.data"] + (["kpipe-threads"] if "kpipe" in loaders else [])
-            io_rows = measure(f"c@{args.io_workers}", make, io_loaders, epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats, args.warmup_epochs)
+            io_rows = measure(f"c@{args.io_workers}", make, io_loaders, epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats, args.warmup_epochs, warm_mb)
             rows += io_rows
     finally:
         for name in os.listdir(tmpdir):
             os.unlink(os.path.join(tmpdir, name))
         os.rmdir(tmpdir)
 
-    print(f"\nLoader benchmark: {os.cpu_count()} CPUs, epochs {args.epochs}{f' after {args.warmup_epochs} untimed' if args.warmup_epochs else ''}, workers={args.workers}, best of {repeats} runs, "
+    print(f"\nLoader benchmark: {os.cpu_count()} CPUs, epochs {args.epochs}{f' after {args.warmup_epochs} untimed' if args.warmup_epochs else ''}, workers={args.workers}, best of {repeats} runs, {warm_mb} MB warmed before each, "
           f"tensorflow {__import__('tensorflow').__version__}, keras {keras.__version__}\n")
     print_table(rows)
     if growth:
@@ -520,7 +541,7 @@ def main(argv=None):
     check_targets(rows, growth, args.io_workers)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "rss_growth": growth, "warmup_epochs": args.warmup_epochs, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
+            json.dump({"rows": rows, "rss_growth": growth, "warmup_epochs": args.warmup_epochs, "warm_mb": warm_mb, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
     return 0
 
 
