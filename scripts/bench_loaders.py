@@ -475,13 +475,14 @@ def check_targets(rows, growth, io_workers):
 
 _WORKLOADS = ("a", "b", "b-direct", "c")
 _EXTRA_WORKLOADS = ("b-fixed",)  # run only when named
+_ALL_WORKLOADS = _WORKLOADS + _EXTRA_WORKLOADS
 _LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe")
 _EPOCHS = "a=10,b=8,b-fixed=8,b-direct=30,c=2"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(_WORKLOADS), help=f"comma-separated subset of {','.join(_WORKLOADS + _EXTRA_WORKLOADS)}. Default: {','.join(_WORKLOADS)}")
+    parser.add_argument("--workloads", default=",".join(_WORKLOADS), help=f"comma-separated subset of {','.join(_ALL_WORKLOADS)}. Default: {','.join(_WORKLOADS)}")
     parser.add_argument("--workers", type=int, default=2, help="workers for every parallel loader. Default: 2")
     parser.add_argument("--io-workers", type=int, default=16, help="workers for workload c (plus a run at --workers). Default: 16")
     parser.add_argument("--epochs", default=_EPOCHS, help=f"epochs timed per loader, per workload (a single number for all). Default: {_EPOCHS}")
@@ -500,13 +501,13 @@ def main(argv=None):
         parser.error(f"--rss-epochs must be 0 (skip) or >= 3 (growth is measured after epoch 2). Received: {args.rss_epochs}")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if "=" in args.epochs:
-        epochs = dict.fromkeys(_WORKLOADS + _EXTRA_WORKLOADS, 1)
+        epochs = dict.fromkeys(_ALL_WORKLOADS, 1)
         epochs.update({k: int(v) for k, v in (item.split("=") for item in args.epochs.split(","))})
     else:
-        epochs = dict.fromkeys(_WORKLOADS + _EXTRA_WORKLOADS, int(args.epochs))
-    bad = [w for w in workloads if w not in _WORKLOADS + _EXTRA_WORKLOADS]
+        epochs = dict.fromkeys(_ALL_WORKLOADS, int(args.epochs))
+    bad = [w for w in workloads if w not in _ALL_WORKLOADS]
     if bad:
-        parser.error(f"--workloads takes {', '.join(_WORKLOADS + _EXTRA_WORKLOADS)}. Received: {','.join(bad)}")
+        parser.error(f"--workloads takes {', '.join(_ALL_WORKLOADS)}. Received: {','.join(bad)}")
     loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
     if not loaders or any(x not in _LOADERS for x in loaders):
         parser.error(f"--loaders takes a comma-separated subset of {','.join(_LOADERS)}. Received: {args.loaders}")
