@@ -414,7 +414,11 @@ class ProcessBackend:
         The owner may then wait for the consumer to release one (see the NOTE above)."""
         if self._slots.has_free():
             return False
-        return not (for_idle_worker and any(not p.pending and p.dead_error is None for p in self._active))
+        return not (for_idle_worker and self._a_worker_idles())
+
+    def _a_worker_idles(self):
+        """Whether a live worker that takes tasks has none."""
+        return any(not p.pending and p.dead_error is None for p in self._active)
 
     def slots_held(self):
         """Slots whose batches the consumer holds: handed out by `get`, not released."""
@@ -601,7 +605,7 @@ class ProcessBackend:
                 if remaining is not None and remaining <= 0:
                     self._fail(self._timed_out(seq))
                 self._pump(remaining)
-                if on_starved is not None and seq not in self._results and any(not p.pending and p.dead_error is None for p in self._active):
+                if on_starved is not None and seq not in self._results and self._a_worker_idles():
                     if not on_starved():
                         on_starved = None
         except Exception:
