@@ -424,12 +424,13 @@ class ProcessBackend:
         """Slots whose batches the consumer holds: handed out by `get`, not released."""
         busy = sum(1 + (t.in_slot is not None) for t in self._tasks.values())
         busy += sum(p.pending.count(_PREPARE) for p in self._procs)
-        return len(self._slots) - len(self._slots.free_ids()) - busy
+        return self._slots.in_use() - busy
 
     @property
     def slot_releases(self):
-        """How many times a slot was released (by the consumer, or a discarded task)."""
-        return self._slots.releases
+        """How many batches the consumer has let go (the last array of each gone), ever;
+        slots freed by discarded tasks or after `prepare` do not count."""
+        return self._slots.lease_releases
 
     def is_first_use(self, seq):
         """Whether task `seq` is its worker's first use of its slot."""

@@ -435,7 +435,7 @@ class SlotPool:
         self._keep_idle = keep_idle
         self._name = name
         self._closed = False
-        self.releases = 0  # calls of release(), ever
+        self.lease_releases = 0  # leases ended (batches the consumer let go), ever
 
     def acquire(self, prefer=()):
         """Returns `(slot_id, created)`: preferably a free slot in `prefer`, else the most
@@ -486,7 +486,6 @@ class SlotPool:
 
     def release(self, slot):
         with self._lock:
-            self.releases += 1
             if self._closed or slot not in self.segments:
                 return
             if len(self._free) >= self._keep_idle:
@@ -501,7 +500,17 @@ class SlotPool:
             return out
 
     def lease(self, slot):
-        return Lease(lambda: self.release(slot))
+        return Lease(lambda: self._release_lease(slot))
+
+    def _release_lease(self, slot):
+        with self._lock:
+            self.lease_releases += 1
+        self.release(slot)
+
+    def in_use(self):
+        """Slots not free: in flight, being prepared or held by the consumer."""
+        with self._lock:
+            return len(self.segments) - len(self._free)
 
     def close(self):
         """Closes every slot's descriptor; batches still held keep their mappings."""
