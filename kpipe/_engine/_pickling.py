@@ -29,6 +29,7 @@ import numpy as np
 
 from kpipe._engine import _pydataset_shim
 from kpipe._engine._shm import Segment, fd_limit_error, is_fd_exhaustion, plan_layout
+from kpipe._engine._submodule_scan import submodule_scan
 from kpipe.errors import DatasetPicklingError, LoaderError
 
 SHARE_MIN_BYTES = 1 << 20
@@ -184,7 +185,7 @@ def dumps(obj, shared=None, what=None):
     used = set()
     what = what or f"`{type(obj).__name__}`"
     try:
-        with _pickled_by_value(_by_value_modules(obj)):
+        with _pickled_by_value(_by_value_modules(obj)), submodule_scan():
             _Pickler(buf, shared, used).dump(obj)
     except _Unshareable as exc:
         where = _find_attribute(obj, exc.obj)
