@@ -12,7 +12,11 @@ the loader benchmark's workload b), the median of `--repeats` rounds of:
   ... no fallocate    the same with the pages allocated while populating (kpipe before
                       it used fallocate)
   2nd mapping         the same pages populated through a second mapping, as another
-                      worker that writes the slot later does
+                      worker that writes the slot later does: for reading
+                      (MADV_POPULATE_READ, 16 pages per fault; the pages of a shared
+                      mapping are writable either way)
+  ... for writing     the same through a third mapping with MADV_POPULATE_WRITE (one
+                      page per fault; what kpipe did before)
   read, page by page  a third mapping read one value per 4 KiB page, as a consumer
                       that touches the whole batch does
   full write          writing every byte through a mapping that is already populated:
@@ -35,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kpipe._engine import _shm  # noqa: E402
 from kpipe._engine._shm import _MADV_POPULATE_WRITE, Segment  # noqa: E402
 
-_ROWS = ("create + populate", "... no fallocate", "2nd mapping", "read, page by page", "full write")
+_ROWS = ("create + populate", "... no fallocate", "2nd mapping", "... for writing", "read, page by page", "full write")
 
 
 def one_round(nbytes):
@@ -61,6 +65,15 @@ def one_round(nbytes):
         t = time.perf_counter()
         second.reserve(nbytes)
         out.append(time.perf_counter() - t)
+        writer = Segment(os.dup(first.fd))
+        others.append(writer)
+        read_advice, _shm._MADV_POPULATE_READ = _shm._MADV_POPULATE_READ, _shm._MADV_POPULATE_WRITE
+        try:
+            t = time.perf_counter()
+            writer.reserve(nbytes)
+            out.append(time.perf_counter() - t)
+        finally:
+            _shm._MADV_POPULATE_READ = read_advice
         third = Segment(os.dup(first.fd))
         others.append(third)
         third.map_all()
@@ -87,7 +100,7 @@ def main(argv=None):
     rounds = [one_round(nbytes) for _ in range(args.repeats)]
     medians = [statistics.median(r[i] for r in rounds) for i in range(len(_ROWS))]
     write = medians[-1]
-    populate = "MADV_POPULATE_WRITE" if _MADV_POPULATE_WRITE is not None else "page faults (no MADV_POPULATE_WRITE)"
+    populate = "MADV_POPULATE_WRITE/_READ" if _MADV_POPULATE_WRITE is not None else "page faults (no MADV_POPULATE_WRITE)"
     print(f"One {args.mb:g} MB shared-memory slot, median of {args.repeats} rounds ({populate}):\n")
     print(f"{'step':<22}{'ms':>9}{'ms per MB':>11}{'x full write':>14}")
     for name, seconds in zip(_ROWS, medians):

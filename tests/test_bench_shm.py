@@ -13,7 +13,7 @@ def test_prints_every_step_with_its_cost():
     proc = subprocess.run([sys.executable, SCRIPT, "--mb", "2", "--repeats", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S.*?)\s+([0-9.]+)\s+[0-9.]+\s+[0-9.]+$", proc.stdout, re.M)}
-    assert set(rows) == {"create + populate", "... no fallocate", "2nd mapping", "read, page by page", "full write"}, proc.stdout
+    assert set(rows) == {"create + populate", "... no fallocate", "2nd mapping", "... for writing", "read, page by page", "full write"}, proc.stdout
     assert all(ms > 0 for ms in rows.values())
 
 

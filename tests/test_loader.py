@@ -302,6 +302,40 @@ def test_writer_mappings_are_populated_up_front():
         seg.close()
 
 
+def test_a_later_writer_maps_the_existing_pages_writable_up_front():
+    """A worker writing a slot another one filled populates it with read faults (16
+    pages each); the pages must then take its writes without faulting again."""
+    import mmap
+    import os
+    import resource
+
+    from kpipe._engine import _shm
+
+    try:
+        mmap.mmap(-1, mmap.PAGESIZE).madvise(_shm._MADV_POPULATE_READ)
+    except (OSError, TypeError):
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux >= 5.14)")
+    first = _shm.Segment.create(0)
+    second = _shm.Segment(os.dup(first.fd))
+    try:
+        first.reserve(32 << 20)
+        first.mapping[: 32 << 20] = 7  # the first worker's batch
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        second.reserve(32 << 20)  # the next worker to get this slot
+        populate = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        view = np.frombuffer(second.mapping, dtype=np.uint8)[: 32 << 20]
+        assert int(view[:: mmap.PAGESIZE].min()) == 7  # the same pages, not new ones
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        view[:: mmap.PAGESIZE] = 1  # one write per page: 8192 pages
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults < 500, f"{faults} page faults writing a slot populated for reading ({populate} while populating)"
+        assert int(first.mapping[: 32 << 20 : mmap.PAGESIZE].max()) == 1  # shared, not copied
+    finally:
+        del view
+        first.close()
+        second.close()
+
+
 def test_the_process_that_grows_a_slot_allocates_the_reserved_pages_only(monkeypatch):
     import os
 
@@ -310,6 +344,7 @@ def test_the_process_that_grows_a_slot_allocates_the_reserved_pages_only(monkeyp
     if _shm._fallocate is None:
         pytest.skip("this Python has no os.posix_fallocate")
     monkeypatch.setattr(_shm, "_MADV_POPULATE_WRITE", None)  # so that only fallocate allocates
+    monkeypatch.setattr(_shm, "_MADV_POPULATE_READ", None)
     first = _shm.Segment.create(0)
     second = _shm.Segment(os.dup(first.fd))
     try:

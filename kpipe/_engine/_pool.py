@@ -18,7 +18,8 @@ with the task):
                          [S's fd follows via SCM_RIGHTS unless W holds it already]
     W:    out = target[key]; flatten; write leaves into S (grow S with ftruncate and
           allocate the pages with fallocate if needed; the pages W will write are mapped
-          in one madvise(MADV_POPULATE_WRITE), not faulted)
+          in one madvise -- MADV_POPULATE_WRITE for pages it allocated, _READ for pages
+          another worker wrote -- not faulted one by one)
     W:    --done(seq, treedef, layout)--> main      (arrays never go through the socket)
     main: get(seq): arrays = views of S, each holding a Lease(S)
     consumer drops the last array/view  ->  Lease.__del__  ->  S back to the free list
@@ -31,8 +32,8 @@ unmap them with the next task they get.
 Each slot costs a batch of memory and, on first use, the kernel's allocation and zeroing
 of its pages (in the worker that grows it, with one fallocate: ~0.65 ms per MB, several
 times that on a virtual machine that has handed the freed memory back to its host) and
-each further process's mapping of them (~0.25 ms per MB for a worker, less for the
-consumer's reads). So the owner decides how many tasks are in flight and when a task may
+each further process's mapping of them (~0.12 ms per MB for a worker, ~0.06 for the
+consumer's reads; `python scripts/bench_shm.py`). So the owner decides how many tasks are in flight and when a task may
 take a new slot (`ProcessLoader`, see `_fill` and `_starved` in `kpipe/loader.py`):
   * up to a window: two per worker, deeper (up to `max_queue_size`) when `get(seq,
     on_starved=...)` reports a worker idle behind a slow batch -- unless that batch is its
