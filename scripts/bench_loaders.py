@@ -18,10 +18,17 @@ Workloads (issue #2):
 The ceiling is the same per-batch work done by `--workers` bare processes that return
 nothing (no hand-off at all), set up as kpipe's workers are: each fills one reused
 buffer where the dataset calls `kpipe.empty`, and glibc keeps freed memory for reuse.
-Throughput is measured from the first batch to the end of `--epochs` epochs, so
+Throughput is measured from the first batch to the end of the last epoch, so
 per-epoch costs (Keras re-forking its pool, say) count and the one-time start-up is
 reported on its own: "1st batch s" is the time from constructing the loader to
-receiving its first batch (median of the runs). `--warmup-epochs N` times only the
+receiving its first batch (median of the runs). Each run takes at least `--epochs`
+epochs and goes on, whole epochs at a time, until `--min-seconds` have passed since its
+first batch; the ceiling's workers run as long (stopping at a batch's end). On a fast
+machine a workload's default epochs take about a second (workload b: 8 epochs of 16
+batches took 1.1-1.4 s here), too short to measure a rate: a loader's one-time costs
+(each new shared-memory slot, a pool's start) then weigh as much as its throughput,
+and the ceiling's best of 3 runs varied from 14.3 to 18.1 thousand samples/s from one
+run to the next. `--min-seconds 0` times the epochs alone. `--warmup-epochs N` times only the
 epochs after N untimed ones of the same loader instead: the first epochs are where a
 loader pays once for its buffers (each of kpipe's shared-memory slots costs the kernel
 ~1 ms per MB on first use, and ~0.3 ms per MB in each further process that maps it;
@@ -43,6 +50,7 @@ populate. Without the warm-up, whichever loader allocates new memory early in it
     python scripts/bench_loaders.py                 # all workloads, workers=2
     python scripts/bench_loaders.py --workloads b,b-direct
     python scripts/bench_loaders.py --json out.json
+    python scripts/bench_loaders.py --workloads b --min-seconds 0   # 8 epochs, however short
 """
 
 import argparse
@@ -234,6 +242,28 @@ def consume(iterator, counts):
             counts[3] = len(batch[0])
 
 
+def more_epochs(done, epochs, elapsed_s, min_seconds):
+    """Whether a run that has timed `done` epochs (of at least `epochs`) in `elapsed_s`
+    seconds goes on for another one: until both minimums are reached."""
+    return done < epochs or elapsed_s < min_seconds
+
+
+def _timed_epochs(counts, start, warmup, epochs, min_seconds):
+    """Epoch numbers of a run: `warmup` untimed ones, then timed ones while
+    `more_epochs` says so, timed from `start[1]` (after a warm-up) or the first batch."""
+    epoch = 0
+    while epoch < warmup:
+        yield epoch
+        epoch += 1
+    start[:] = [counts[1], time.perf_counter()]
+    while True:
+        since = start[1] if warmup or counts[2] is None else counts[2]
+        if not more_epochs(epoch - warmup, epochs, time.perf_counter() - since, min_seconds):
+            return
+        yield epoch
+        epoch += 1
+
+
 def _rate(counts, start, end, warmup):
     """Samples/s: after the warm-up epochs, or (none) from the first batch on."""
     if warmup:
@@ -241,7 +271,7 @@ def _rate(counts, start, end, warmup):
     return (counts[1] - counts[3]) / (end - counts[2])
 
 
-def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0):
+def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=0):
     """serial / keras-threads / keras-mp / kpipe through Keras's own PyDataset adapter."""
     from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
@@ -258,9 +288,8 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0):
     if kind.startswith("kpipe"):
         ds = kpipe.ProcessLoader(inner, workers=workers, max_queue_size=max_queue, use_threads=kind == "kpipe-threads")
     adapter = PyDatasetAdapter(ds, shuffle=False)
-    for epoch in range(warmup + epochs):
-        if epoch == warmup:
-            start = (counts[1], time.perf_counter())
+    start = []
+    for _ in _timed_epochs(counts, start, warmup, epochs, min_seconds):
         adapter.on_epoch_begin()
         consume(adapter.get_numpy_iterator(), counts)
         adapter.on_epoch_end()
@@ -270,7 +299,7 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0):
     return _rate(counts, start, end, warmup), counts[2] - t0, counts[0]
 
 
-def run_tfdata(make, epochs, workers, max_queue, warmup=0):
+def run_tfdata(make, epochs, workers, max_queue, warmup=0, min_seconds=0):
     import tensorflow as tf
 
     counts = [0, 0, None, 0]
@@ -286,9 +315,8 @@ def run_tfdata(make, epochs, workers, max_queue, warmup=0):
         return tf.ensure_shape(x, (None,) + x0.shape[1:]), y
 
     tfds = tf.data.Dataset.range(len(ds)).map(fn, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
-    for epoch in range(warmup + epochs):
-        if epoch == warmup:
-            start = (counts[1], time.perf_counter())
+    start = []
+    for _ in _timed_epochs(counts, start, warmup, epochs, min_seconds):
         consume(tfds.as_numpy_iterator(), counts)
     return _rate(counts, start, time.perf_counter(), warmup), counts[2] - t0, counts[0]
 
@@ -299,7 +327,7 @@ from kpipe._engine import _alloc
 from kpipe._engine._shm import Segment
 with open(sys.argv[1], "rb") as f:
     ds = cloudpickle.load(f)
-w, n_workers, epochs = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+w, n_workers, epochs, min_seconds = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 # The same buffers a kpipe worker has: `kpipe.empty` returns memory of a reused slot.
 slot = Segment.create(0)
 def load(i):
@@ -311,16 +339,20 @@ def load(i):
 load(w % len(ds))  # warm-up (lazy file opening, the slot's pages), not timed
 print("READY", flush=True)
 sys.stdin.readline()  # all workers start together
-t0 = time.time(); samples = 0
-for _ in range(epochs):
+t0 = time.time(); samples = 0; epoch = 0
+while epoch < epochs or time.time() - t0 < min_seconds:
     for i in range(w, len(ds), n_workers):
         samples += len(load(i)[0])
+        if epoch >= epochs and time.time() - t0 >= min_seconds:
+            break
+    epoch += 1
 print(samples, t0, time.time(), flush=True)
 """
 
 
-def run_ceiling(make, epochs, workers):
-    """`workers` bare processes doing the same batches, returning nothing."""
+def run_ceiling(make, epochs, workers, min_seconds=0):
+    """`workers` bare processes doing the same batches, returning nothing, for at least
+    `epochs` epochs and `min_seconds` seconds."""
     import cloudpickle
 
     from kpipe._engine import _pydataset_shim
@@ -343,7 +375,7 @@ def run_ceiling(make, epochs, workers):
     # The environment of kpipe's workers too (glibc keeps freed buffers for reuse).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **_WORKER_ENV)
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, path, str(w), str(workers), str(epochs)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen([sys.executable, "-c", code, path, str(w), str(workers), str(epochs), str(min_seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         for w in range(workers)
     ]
     for p in procs:
@@ -370,7 +402,7 @@ def warm_memory(mb):
 
 
 # ------------------------------------------------------------------------------- driver
-def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup=0, warm_mb=0):
+def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup=0, warm_mb=0, min_seconds=0):
     """Runs every loader (and the ceiling) `repeats` times, in rounds, so that drift in
     the machine's speed spreads over all of them; keeps each one's best throughput (noise
     only ever slows a run down), the median time to first batch and the highest RSS."""
@@ -381,13 +413,13 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
             warm_memory(warm_mb)
             with PeakRSS() as rss:
                 if kind == "tf.data":
-                    rate, first_s, batches = run_tfdata(make, epochs, workers, max_queue, warmup)
+                    rate, first_s, batches = run_tfdata(make, epochs, workers, max_queue, warmup, min_seconds)
                 else:
-                    rate, first_s, batches = run_pydataset(make, kind, epochs, workers, max_queue, warmup)
+                    rate, first_s, batches = run_pydataset(make, kind, epochs, workers, max_queue, warmup, min_seconds)
             runs[kind].append((rate, first_s, rss.peak / 2**20, batches))
             print(f"  {workload}: {kind:<14} {runs[kind][-1][0]:10.1f} samples/s", flush=True)
         warm_memory(warm_mb)
-        ceilings.append(run_ceiling(make, epochs, workers))
+        ceilings.append(run_ceiling(make, epochs, workers, min_seconds))
         print(f"  {workload}: {'ceiling':<14} {ceilings[-1]:10.1f} samples/s", flush=True)
     rows = []
     for kind in loaders:
@@ -487,6 +519,7 @@ def main(argv=None):
     parser.add_argument("--io-workers", type=int, default=16, help="workers for workload c (plus a run at --workers). Default: 16")
     parser.add_argument("--epochs", default=_EPOCHS, help=f"epochs timed per loader, per workload (a single number for all). Default: {_EPOCHS}")
     parser.add_argument("--warmup-epochs", type=int, default=0, help="untimed epochs of each loader before the timed ones. Default: 0 (time from the first batch)")
+    parser.add_argument("--min-seconds", type=float, default=None, help="each run goes on, whole epochs at a time, until this long after its first batch (the ceiling's too; 0: --epochs only). Default: 5 (0 with --quick)")
     parser.add_argument("--max-queue-size", type=int, default=10, help="batches in flight. Default: 10")
     parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")
     parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")
@@ -517,6 +550,9 @@ def main(argv=None):
         parser.error(f"--warmup-epochs must be >= 0. Received: {args.warmup_epochs}")
     if repeats < 1:
         parser.error(f"--repeats must be >= 1. Received: {args.repeats}")
+    min_seconds = (0.0 if args.quick else 5.0) if args.min_seconds is None else args.min_seconds
+    if not min_seconds >= 0:
+        parser.error(f"--min-seconds must be >= 0. Received: {args.min_seconds}")
     if args.warm_mb < 0:
         parser.error(f"--warm-mb must be >= 0. Received: {args.warm_mb}")
     warm_mb = int(args.warm_mb * scale)
@@ -525,33 +561,34 @@ def main(argv=None):
     try:
         if "a" in workloads:
             make = lambda **kw: Augment(num_images=int(2048 * scale), **kw)  # noqa: E731
-            rows += measure("a", make, loaders, epochs["a"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb)
+            rows += measure("a", make, loaders, epochs["a"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
             if args.rss_epochs:
                 growth = rss_growth(make, min(args.rss_epochs, 4) if args.quick else args.rss_epochs, args.workers)
         if any(w.startswith("b") for w in workloads):
             path = make_h5(os.path.join(tmpdir, "images.h5"), args.h5_mb * scale)
         if "b" in workloads:
             make = lambda **kw: H5Samples(path, **kw)  # noqa: E731
-            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb)
+            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
         if "b-fixed" in workloads:
             make = lambda **kw: H5SamplesFixed(path, **kw)  # noqa: E731
-            rows += measure("b-fixed", make, loaders, epochs["b-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb)
+            rows += measure("b-fixed", make, loaders, epochs["b-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
         if "b-direct" in workloads:
             make = lambda **kw: H5Contiguous(path, **kw)  # noqa: E731
-            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb)
+            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
         if "c" in workloads:
             n = max(8, int(48 * scale))
             make = lambda **kw: Waits(n=n, **kw)  # noqa: E731
-            rows += measure("c", make, loaders, epochs["c"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb)
+            rows += measure("c", make, loaders, epochs["c"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
             io_loaders = [x for x in loaders if x != "tf.data"] + (["kpipe-threads"] if "kpipe" in loaders else [])
-            io_rows = measure(f"c@{args.io_workers}", make, io_loaders, epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats, args.warmup_epochs, warm_mb)
+            io_rows = measure(f"c@{args.io_workers}", make, io_loaders, epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats, args.warmup_epochs, warm_mb, min_seconds)
             rows += io_rows
     finally:
         for name in os.listdir(tmpdir):
             os.unlink(os.path.join(tmpdir, name))
         os.rmdir(tmpdir)
 
-    print(f"\nLoader benchmark: {os.cpu_count()} CPUs, epochs {args.epochs}{f' after {args.warmup_epochs} untimed' if args.warmup_epochs else ''}, workers={args.workers}, best of {repeats} runs, {warm_mb} MB warmed before each, "
+    print(f"\nLoader benchmark: {os.cpu_count()} CPUs, epochs {args.epochs}{f' after {args.warmup_epochs} untimed' if args.warmup_epochs else ''}"
+          f"{f' and at least {min_seconds:g} s' if min_seconds else ''} per run, workers={args.workers}, best of {repeats} runs, {warm_mb} MB warmed before each, "
           f"tensorflow {__import__('tensorflow').__version__}, keras {keras.__version__}\n")
     print_table(rows)
     if growth:
@@ -560,7 +597,7 @@ def main(argv=None):
     check_targets(rows, growth, args.io_workers)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "rss_growth": growth, "warmup_epochs": args.warmup_epochs, "warm_mb": warm_mb, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
+            json.dump({"rows": rows, "rss_growth": growth, "warmup_epochs": args.warmup_epochs, "min_seconds": min_seconds, "warm_mb": warm_mb, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
     return 0
 
 

@@ -1,5 +1,6 @@
 """Smoke test of scripts/bench_loaders.py: every loader runs and the JSON has every row."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -41,3 +42,37 @@ def test_bench_loaders_runs_the_fixed_order_workload_beside_b(tmp_path):
     stdout, result = _run(tmp_path, "--workloads", "b,b-fixed", "--loaders", "kpipe", "--epochs", "2", "--rss-epochs", "0")
     assert [(r["workload"], r["loader"]) for r in result["rows"]] == [(w, k) for w in ("b", "b-fixed") for k in ("kpipe", "ceiling")]
     assert "(b) kpipe >= 0.85x ceiling" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bench_loaders_runs_each_loader_and_the_ceiling_for_min_seconds(tmp_path):
+    _, result = _run(tmp_path, "--workloads", "b", "--loaders", "kpipe", "--epochs", "1", "--min-seconds", "0.5", "--rss-epochs", "0")
+    assert result["min_seconds"] == 0.5
+    kpipe_row, ceiling = result["rows"]
+    assert kpipe_row["loader"] == "kpipe" and kpipe_row["batches"] >= 2  # whole epochs: 2 batches each at --quick sizes
+    assert ceiling["loader"] == "ceiling" and ceiling["samples_per_s"] > 0
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("bench_loaders", os.path.join(ROOT, "scripts", "bench_loaders.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_min_seconds_and_epochs_are_both_minimums():
+    bench = _bench_module()
+    assert bench.more_epochs(0, 8, 0.0, 5.0)
+    assert bench.more_epochs(3, 8, 60.0, 5.0)  # fewer epochs than asked, however long
+    assert bench.more_epochs(8, 8, 4.9, 5.0)  # enough epochs, not yet long enough
+    assert not bench.more_epochs(8, 8, 5.0, 5.0)
+    assert not bench.more_epochs(8, 8, 0.1, 0.0)  # --min-seconds 0: the epochs alone
+
+
+def test_a_negative_min_seconds_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _bench_module().main(["--min-seconds", "-1"])
+    assert exc.value.code == 2
+    assert "--min-seconds must be >= 0. Received: -1.0" in capsys.readouterr().err
