@@ -33,8 +33,9 @@ Each slot costs a batch of memory and, on first use, the kernel's allocation and
 of its pages (in the worker that grows it, with one fallocate: ~0.65 ms per MB, several
 times that on a virtual machine that has handed the freed memory back to its host) and
 each further process's mapping of them (~0.12 ms per MB for a worker, ~0.06 for the
-consumer's reads; `python scripts/bench_shm.py`). So the owner decides how many tasks are in flight and when a task may
-take a new slot (`ProcessLoader`, see `_fill` and `_starved` in `kpipe/loader.py`):
+consumer's reads; `python scripts/bench_shm.py`). So the owner decides how many tasks are
+in flight and when a task may take a new slot (`ProcessLoader`, see `_fill` and `_starved`
+in `kpipe/loader.py`):
   * up to a window: two per worker, deeper (up to `max_queue_size`) when `get(seq,
     on_starved=...)` reports a worker idle behind a slow batch -- unless that batch is its
     worker's first use of its slot (`is_first_use`), a delay that does not recur;
