@@ -42,38 +42,36 @@ from kpipe._engine._shm import _MADV_POPULATE_WRITE, Segment  # noqa: E402
 _ROWS = ("create + populate", "... no fallocate", "2nd mapping", "... for writing", "read, page by page", "full write")
 
 
+def _timed_reserve(segment, nbytes, **constants):
+    """Seconds of `segment.reserve(nbytes)` with `_shm`'s `constants` set for its duration."""
+    saved = {name: getattr(_shm, name) for name in constants}
+    for name, value in constants.items():
+        setattr(_shm, name, value)
+    try:
+        t = time.perf_counter()
+        segment.reserve(nbytes)
+        return time.perf_counter() - t
+    finally:
+        for name, value in saved.items():
+            setattr(_shm, name, value)
+
+
 def one_round(nbytes):
     """Seconds of each step of `_ROWS`, for one fresh slot."""
     out = []
     first = Segment.create(0)
     others = []
     try:
-        t = time.perf_counter()
-        first.reserve(nbytes)
-        out.append(time.perf_counter() - t)
+        out.append(_timed_reserve(first, nbytes))
         plain = Segment.create(0)
         others.append(plain)
-        fallocate, _shm._fallocate = _shm._fallocate, None
-        try:
-            t = time.perf_counter()
-            plain.reserve(nbytes)
-            out.append(time.perf_counter() - t)
-        finally:
-            _shm._fallocate = fallocate
+        out.append(_timed_reserve(plain, nbytes, _fallocate=None))
         second = Segment(os.dup(first.fd))
         others.append(second)
-        t = time.perf_counter()
-        second.reserve(nbytes)
-        out.append(time.perf_counter() - t)
+        out.append(_timed_reserve(second, nbytes))
         writer = Segment(os.dup(first.fd))
         others.append(writer)
-        read_advice, _shm._MADV_POPULATE_READ = _shm._MADV_POPULATE_READ, _shm._MADV_POPULATE_WRITE
-        try:
-            t = time.perf_counter()
-            writer.reserve(nbytes)
-            out.append(time.perf_counter() - t)
-        finally:
-            _shm._MADV_POPULATE_READ = read_advice
+        out.append(_timed_reserve(writer, nbytes, _MADV_POPULATE_READ=_shm._MADV_POPULATE_WRITE))
         third = Segment(os.dup(first.fd))
         others.append(third)
         third.map_all()
