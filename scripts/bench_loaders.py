@@ -28,10 +28,11 @@ machine a workload's default epochs take about a second (workload b: 8 epochs of
 batches took 1.1-1.4 s here), too short to measure a rate: the ceiling's best of 3 such
 runs varied from 14.3 to 18.1 thousand samples/s from one run to the next (in 5 s
 runs the ceilings came out 5-49% higher against serial). `--min-seconds 0` times the
-epochs alone. `--warmup-epochs N` times only the epochs after N untimed ones of the same loader instead: the first epochs are where a
-loader pays once for its buffers (each of kpipe's shared-memory slots costs the kernel
-~0.6 ms per MB on first use, and ~0.12 ms per MB in each further worker that maps it;
-the ceiling's workers touch their one buffer before timing starts).
+epochs alone. `--warmup-epochs N` times only the epochs after N untimed ones of the
+same loader instead: the first epochs are where a loader pays once for its buffers
+(each of kpipe's shared-memory slots costs the kernel ~0.6 ms per MB on first use, and
+~0.12 ms per MB in each further worker that maps it; the ceiling's workers touch their
+one buffer before timing starts).
 
 Every loader runs `--repeats` times, in
 rounds; its best throughput is reported (this 2-core VM's speed drifts by +-20% from
