@@ -31,7 +31,8 @@ range; every version test about them lives in this module:
             adapter's `tf.data.Dataset.from_generator`); `EpochIterator.reset()` restarts a finite
             dataset after each pass; `steps_per_execution=k` is a `tf.while_loop` over
             `get_next_as_optional`, which fails under MultiWorkerMirroredStrategy
-            (kpipe's strategy raises a clear error instead).
+            (kpipe's epoch iterator hands Keras a Python iterator there, so that it
+            runs the k steps in Python: `kpipe/_keras_hook.py`, `_StepsInPython`).
     < 3.8   Under a `tf.distribute` strategy with N > 1 replicas the loss is not divided
             by N before the gradients are summed across replicas: every step is N times
             too large. 3.8 divides each loss by N in `Loss.__call__`;

@@ -17,6 +17,12 @@ for a `ProcessLoader`:
   (`num_shards > 1`), so kpipe's `MultiWorkerMirroredStrategy` neither auto-shards it nor
   splits its batch again (also for any `PyDataset` with `num_shards > 1`).
 
+From Keras 3.7 kpipe's epoch iterator also hands a ProcessLoader to the step functions as
+a `kpipe._feed.Feed` (`_install_feed`), and under multi-worker training with
+`steps_per_execution > 1` hands any other input over as a Python iterator
+(`_StepsInPython`), so that Keras runs its steps in Python instead of the `tf.while_loop`
+TensorFlow fails in there (see the NOTE in kpipe/distribute/_strategy.py).
+
 NOTE [ Who keeps a ProcessLoader alive ]
 ----------------------------------------
 `tf.data.Dataset.from_generator` registers its generator function with TensorFlow, and
@@ -163,11 +169,77 @@ def _install_feed():
         def _get_iterator(self):
             feed = getattr(self.data_adapter, "_kpipe_feed", None)
             feed = feed(self._distribute_strategy) if feed is not None else None
-            return super()._get_iterator() if feed is None else feed
+            if feed is not None:
+                return feed
+            dataset = super()._get_iterator()
+            steps = getattr(self, "steps_per_execution", 1)
+            if isinstance(steps, int) and steps > 1 and _multi_worker(self._distribute_strategy):
+                return _StepsInPython(dataset, steps)
+            return dataset
 
     TFEpochIterator.__qualname__ = base.__qualname__
     TFEpochIterator.__module__ = base.__module__
     trainer.TFEpochIterator = TFEpochIterator
+
+
+def _multi_worker(strategy) -> bool:
+    """Whether `strategy` trains across several workers (kpipe's MultiWorkerMirroredStrategy
+    counts them; the stock one knows whether it is in multi-worker mode)."""
+    count = getattr(strategy, "_kpipe_num_workers", None)
+    if count is not None:
+        return count > 1
+    extended = getattr(strategy, "extended", None)
+    in_multi_worker_mode = getattr(extended, "_in_multi_worker_mode", None)
+    return bool(in_multi_worker_mode()) if callable(in_multi_worker_mode) else False
+
+
+class _StepsInPython:
+    """A distributed dataset that Keras iterates in Python, `steps` batches per execution.
+
+    Keras (>= 3.7) runs `steps_per_execution > 1` over a `tf.distribute` iterator as a
+    `tf.while_loop` of `get_next_as_optional`, which TensorFlow cannot run under
+    multi-worker training (see the NOTE in kpipe/distribute/_strategy.py). Given any other
+    iterator, Keras calls its compiled one-step function on each of the next `steps`
+    batches instead: the same steps. Its end of data then needs care: Keras's Python loop
+    returns the steps it ran when the data ends inside an execution, but fails
+    (UnboundLocalError) when it ends at the start of one. So the iterator ends an
+    execution it is inside with StopIteration (Keras keeps that execution's logs), and at
+    an execution's start -- or once it has ended -- raises `tf.errors.OutOfRangeError`,
+    which Keras's epoch iterator takes as the end of the data, as from the in-graph loop.
+    """
+
+    def __init__(self, dataset, steps):
+        self._dataset = dataset
+        self._steps = steps
+
+    def __iter__(self):
+        return _StepIterator(iter(self._dataset), self._steps)
+
+
+class _StepIterator:
+    def __init__(self, iterator, steps):
+        self._iterator = iterator
+        self._steps = steps
+        self._taken = 0
+        self._ended = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import tensorflow as tf
+
+        if not self._ended:
+            try:
+                batch = next(self._iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                self._ended = True
+                if self._taken % self._steps:
+                    raise StopIteration from None  # inside an execution: it keeps its steps
+            else:
+                self._taken += 1
+                return batch
+        raise tf.errors.OutOfRangeError(None, None, "End of sequence")
 
 
 def _wrap_symbolic_build():

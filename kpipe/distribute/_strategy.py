@@ -23,8 +23,15 @@ the stock strategy: when it starts passing, upstream is fixed.
 The subclass also (a) feeds *presharded* inputs (see `_sharding.py`) to this worker's
 replicas without auto-sharding or splitting the global batch across workers, (b) raises
 a clear error for an unseeded shuffle that every worker would draw differently, and
-(c) raises a clear error for `steps_per_execution > 1`, which fails inside TensorFlow
-with "You must feed a value for placeholder tensor ..." under multi-worker training.
+(c) raises a clear error for a step traced inside a `tf.while_loop` under multi-worker
+training. From Keras 3.7, `steps_per_execution=k > 1` with a `tf.data` input is such a
+loop over `get_next_as_optional` of the distributed iterator, and TensorFlow fails in it
+("You must feed a value for placeholder tensor 'while/cond/Placeholder'", TF 2.16-2.21).
+kpipe's epoch iterator (`kpipe/_keras_hook.py`, `_StepsInPython`) gives Keras a Python
+iterator there instead, so Keras runs the k steps as k calls of its compiled one-step
+function -- the loop Keras < 3.7 always ran, and the one a `ProcessLoader` feed takes:
+the same steps, the same weights. The error is left for a caller that drives Keras's
+in-graph loop itself (`model.train_function(iter(distributed_dataset))`).
 """
 
 import logging
@@ -133,12 +140,28 @@ def _static_rank(value) -> Optional[int]:
 def _check_steps_per_execution(fn, num_workers: int) -> None:
     owner = getattr(fn, "__self__", None)  # Keras passes `model.train_step` & co.
     steps = getattr(owner, "steps_per_execution", 1)
-    if isinstance(steps, int) and steps > 1:
+    if isinstance(steps, int) and steps > 1 and _in_while_loop():
         raise ValueError(
-            f"`steps_per_execution` must be 1 under multi-worker training ({num_workers} "
-            f"workers). Received: steps_per_execution={steps}. TensorFlow's multi-worker "
-            "input iterator cannot run inside the loop Keras builds for it. Compile with "
-            "steps_per_execution=1 (the default).")
+            f"This step runs inside a tf.while_loop over a distributed iterator, which "
+            f"fails in TensorFlow under multi-worker training ({num_workers} workers). "
+            f"Received: steps_per_execution={steps} and an iterator of a "
+            "`tf.distribute.DistributedDataset` passed to Keras's compiled function "
+            "directly. Call fit()/evaluate()/predict(), which run the steps as a Python "
+            "loop under kpipe's strategy, or compile with steps_per_execution=1.")
+
+
+def _in_while_loop() -> bool:
+    """Whether the graph being traced is, or is called from, a `tf.while_loop` body."""
+    try:
+        from tensorflow.python.ops.control_flow_util_v2 import WhileBodyFuncGraph
+    except ImportError:  # pragma: no cover -- present in every supported TensorFlow
+        return False
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if isinstance(graph, WhileBodyFuncGraph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def _check_shuffles(dataset, num_workers: int) -> None:

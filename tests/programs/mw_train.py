@@ -7,8 +7,10 @@ and `--out/worker<i>.json` (histories, learning rates, batches loaded, errors). 
 
 Scenarios (`--scenario`):
   main   fit/evaluate/predict with tf.data (auto-sharded), presharded PyDataset, presharded
-         tf.data and sharded ProcessLoader input, then NumPy arrays; class_weight, validation_data, Warmup; then the
-         error cases (unseeded shuffle, steps_per_execution=2).
+         tf.data and sharded ProcessLoader input, then NumPy arrays; class_weight, validation_data, Warmup;
+         steps_per_execution 2 and 3 (3 leaves a partial execution at each epoch's end) with
+         tf.data of known and unknown length and a ProcessLoader; then the error cases
+         (unseeded shuffle, Keras's in-graph steps loop called directly).
   stock  fit with the stock tf.distribute.MultiWorkerMirroredStrategy (expected to fail).
   resume fit with BackupAndRestore in per-worker directories; `--kill-at-epoch E` makes
          worker 1 SIGKILL itself during epoch E, after the previous epoch was saved.
@@ -108,10 +110,14 @@ class LrRecorder:
         return _Impl()
 
 
-def train(keras, kpipe, strategy, make_input, initial, epochs, extra_callbacks=()):
+STEPS_PER_EXECUTION = (2, 3)  # 4 global batches per epoch: 3 ends each epoch mid-execution
+SPE_INPUTS = ("tfdata", "tfdata_unknown_length", "loader")
+
+
+def train(keras, kpipe, strategy, make_input, initial, epochs, extra_callbacks=(), steps_per_execution=1):
     with strategy.scope():
         model = build_model(keras, initial)
-        compile_model(keras, model)
+        compile_model(keras, model, steps_per_execution)
     recorder = LrRecorder()
     warmup = kpipe.callbacks.Warmup(steps=WARMUP_STEPS, initial_lr=INITIAL_LR)
     x_val, y_val = make_data(32, seed=1)
@@ -149,14 +155,33 @@ def scenario_main(args, keras, kpipe, tf, strategy, info, out):
 
     inputs = {"tfdata": numpy_input, "pydataset": pydataset_input,
               "tfdata_presharded": tfdata_presharded_input, "loader": loader_input}
-    for name, make_input in inputs.items():
-        model, record = train(keras, kpipe, strategy, make_input, initial, args.epochs)
-        record["evaluate"] = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
-        predictions = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    def fit_and_record(name, strategy, make_input, steps_per_execution=1, eval_input=None):
+        model, record = train(keras, kpipe, strategy, make_input, initial, args.epochs,
+                              steps_per_execution=steps_per_execution)
+        if eval_input is None:
+            record["evaluate"] = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
+            predictions = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+        else:  # the same input type for evaluate() and predict() too
+            record["evaluate"] = model.evaluate(eval_input(), verbose=0)
+            predictions = model.predict(eval_input(), verbose=0)
         for i, w in enumerate(model.get_weights()):
             arrays[f"{name}/w{i}"] = w
         arrays[f"{name}/predict"] = predictions
         results[name] = record
+
+    for name, make_input in inputs.items():
+        fit_and_record(name, strategy, make_input)
+
+    # steps_per_execution > 1 under multi-worker training (kpipe/distribute/_strategy.py).
+    def unknown_length_input():
+        return numpy_input().filter(lambda a, b: True)
+
+    spe_inputs = {"tfdata": numpy_input, "tfdata_unknown_length": unknown_length_input,
+                  "loader": loader_input}
+    for spe in STEPS_PER_EXECUTION:
+        for name in SPE_INPUTS:
+            eval_input = None if name == "loader" else spe_inputs[name]
+            fit_and_record(f"spe{spe}/{name}", strategy, spe_inputs[name], spe, eval_input)
     results["pydataset"]["loaded"] = pydatasets[0].loaded
     results["pydataset"]["len"] = len(pydatasets[0])
     with loaders[0]:
@@ -165,6 +190,8 @@ def scenario_main(args, keras, kpipe, tf, strategy, info, out):
                                       getattr(loaders[0], "shard_index", None)]
         results["loader"]["len"] = len(loaders[0])
         results["loader"]["stats_batches"] = loaders[0].stats()["batches"]
+    for loader in loaders[1:]:
+        loader.close()
 
     # NumPy arrays straight into fit(): Keras shuffles them unless told otherwise.
     with strategy.scope():
@@ -173,15 +200,20 @@ def scenario_main(args, keras, kpipe, tf, strategy, info, out):
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False)
     results["numpy_arrays_fit"] = "ok"
 
-    if args.reference and info.is_chief:
-        model, record = train(keras, kpipe, tf.distribute.get_strategy(),
-                              lambda: tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH),
-                              initial, args.epochs)
-        record["evaluate"] = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
-        arrays["reference/predict"] = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
-        for i, w in enumerate(model.get_weights()):
-            arrays[f"reference/w{i}"] = w
-        results["reference"] = record
+    if args.reference and info.is_chief:  # plain Keras in one process, the same global batch
+        one_process = tf.distribute.get_strategy()
+
+        def reference_input():
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+
+        def unknown_length_reference():
+            return reference_input().filter(lambda a, b: True)
+
+        fit_and_record("reference", one_process, reference_input)
+        for spe in STEPS_PER_EXECUTION:  # per length: Keras counts steps differently without one
+            fit_and_record(f"spe{spe}/reference", one_process, reference_input, spe, reference_input)
+            fit_and_record(f"spe{spe}/reference_unknown_length", one_process,
+                           unknown_length_reference, spe, unknown_length_reference)
 
     # Error cases, after everything else: both raise before any collective runs.
     results["errors"] = {}
@@ -192,11 +224,18 @@ def scenario_main(args, keras, kpipe, tf, strategy, info, out):
     tf.random.set_seed(None)
     results["errors"]["unseeded_shuffle"] = _error_of(
         lambda: model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=True))
-    with strategy.scope():
-        model = build_model(keras, initial)
-        compile_model(keras, model, steps_per_execution=2)
-    results["errors"]["steps_per_execution"] = _error_of(
-        lambda: model.fit(numpy_input(), epochs=1, verbose=0))
+    results["errors"]["steps_per_execution"] = None
+    from kpipe import _compat
+
+    if _compat.keras_at_least(_compat.KERAS_STEPS_PER_EXECUTION_IN_GRAPH):
+        # Keras's in-graph loop of steps, called directly (fit() does not go there).
+        with strategy.scope():
+            model = build_model(keras, initial)
+            compile_model(keras, model, steps_per_execution=2)
+        model.make_train_function()
+        distributed = strategy.experimental_distribute_dataset(numpy_input())
+        results["errors"]["steps_per_execution"] = _error_of(
+            lambda: model.train_function(iter(distributed)))
     write(out, info, results, arrays)
 
 
