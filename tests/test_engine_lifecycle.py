@@ -439,6 +439,30 @@ def test_wire_send_honours_its_deadline_and_passes_descriptors():
         receiver.close()
 
 
+def test_wire_send_completes_a_message_the_socket_takes_in_parts():
+    import socket
+    from multiprocessing.connection import Connection
+
+    from kpipe._engine import _wire
+
+    a, b = socket.socketpair()
+    sender, receiver = Connection(a.detach()), Connection(b.detach())
+    big = np.random.RandomState(0).bytes(6 << 20)  # far more than a socket buffer holds
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(receiver.recv() for _ in range(4)))
+    try:
+        reader.start()
+        for msg in [("small", 1), big, ("after", 2), b"x" * 65531]:  # 65531 + 4: a 64 KiB write
+            _wire.send(sender, msg, (), _wire.deadline_after(30.0))
+        reader.join(30.0)
+        assert not reader.is_alive()
+        assert got[0] == ("small", 1) and got[1] == big and got[2] == ("after", 2)
+        assert got[3] == b"x" * 65531
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_ctrl_c_while_a_state_send_waits_stops_the_pool_cleanly(ctrl_c, no_leaks):
     ds = StuckWithBigState(hang_at=1)
     backend = _backend(ds, "spawn", timeout=60.0)

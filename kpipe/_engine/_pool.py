@@ -73,8 +73,8 @@ id `retiring`: it gets no new task, and once its pending tasks are answered it i
 (`_reap_retired`, or by `shutdown` like every other worker). Ids stay unique among the
 processes alive; a new worker takes the lowest free one.
 
-Failures: every wait is `multiprocessing.connection.wait` on the worker sockets and
-process sentinels with a deadline, and so is every write: messages go out non-blocking,
+Failures: every wait is a `poll` on the worker sockets and process sentinels with a
+deadline (one poll set, kept while the workers stay the same), and so is every write: messages go out non-blocking,
 waiting for room in the socket with `poll` (`_wire.send`), because a worker stuck in
 `__getitem__` stops reading, and a large `init`/`state` payload would otherwise block the
 main process past any `timeout`. A worker exception comes back as data (type, message,
@@ -108,7 +108,9 @@ map it.
 import collections
 import concurrent.futures
 import itertools
+import math
 import os
+import select
 import sys
 import threading
 import time
@@ -136,6 +138,7 @@ _START_METHODS = ("forkserver", "spawn", "fork")
 # kernel's allocation or mapping of the slot's pages, a one-time delay).
 _Task = collections.namedtuple("_Task", "worker key slot in_slot fresh")
 _PREPARE = "prepare"  # in a worker's `pending`: it allocates a slot (`prepare_slots`)
+_POLL_MAX_MS = 2**31 - 1  # poll()'s longest wait; a longer timeout waits again
 
 
 class _KeyErrorMessage(str):
@@ -195,6 +198,7 @@ class ProcessBackend:
         self._slots = SlotPool(keep_idle=keep_idle)
         self._shared = _pickling.SharedArrays()
         self._procs = []
+        self._poll_key, self._poller, self._poll_owners = None, None, {}  # see _poll_set
         self._finalizer = weakref.finalize(self, _procs.shutdown, self._procs, self._slots, self._shared)
         self._results = {}
         self._tasks = {}
@@ -684,24 +688,37 @@ class ProcessBackend:
                 ))
             self._pump(remaining)
 
-    def _pump(self, timeout):
+    def _poll_set(self):
+        """A `select.poll` with the sockets and sentinels of the live workers, made anew
+        only when they change (not per wait, as `multiprocessing.connection.wait` does),
+        and which process each descriptor belongs to (`(proc, is_sentinel)`)."""
         live = [p for p in self._procs if p.dead_error is None and p.alive]
-        conns = {p.conn: p for p in live}
-        sentinels = {p.sentinel: p for p in live if p.sentinel is not None}
-        ready = mp_connection.wait(list(conns) + list(sentinels), timeout)
+        key = [(p, p.conn.fileno(), p.sentinel) for p in live]
+        if key != self._poll_key:  # the cache holds the processes: their ids stay unique
+            poller, owners = select.poll(), {}
+            for proc, fd, sentinel in key:
+                for f, is_sentinel in ((fd, False), (sentinel, True)):
+                    if f is not None:
+                        poller.register(f, select.POLLIN)
+                        owners[f] = (proc, is_sentinel)
+            self._poll_key, self._poller, self._poll_owners = key, poller, owners
+        return self._poller, self._poll_owners
+
+    def _pump(self, timeout):
+        poller, owners = self._poll_set()
+        events = poller.poll(None if timeout is None else min(math.ceil(timeout * 1000), _POLL_MAX_MS))
+        ready = [owners[fd] for fd, _ in events if fd in owners]
         dead = []
-        for obj in ready:
-            proc = conns.get(obj)
-            if proc is None:
+        for proc, is_sentinel in ready:
+            if is_sentinel:
                 continue
             try:
                 while proc.conn.poll():
                     self._handle(proc, proc.conn.recv())
             except (EOFError, OSError):
                 dead.append(proc)
-        for obj in ready:
-            proc = sentinels.get(obj)
-            if proc is not None and proc not in dead:
+        for proc, is_sentinel in ready:
+            if is_sentinel and proc not in dead:
                 try:  # a last message may still be buffered
                     while proc.conn.poll():
                         self._handle(proc, proc.conn.recv())

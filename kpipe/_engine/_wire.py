@@ -76,14 +76,21 @@ def send(conn, obj, fds=(), deadline=None):
     sock = _socket_of(conn)
     written = False
     try:
-        for chunk in (header, payload):
-            view = memoryview(chunk)
-            while len(view):
-                try:
-                    view = view[sock.send(view, _MSG_FLAGS) :]
-                    written = True
-                except (BlockingIOError, InterruptedError):
-                    _wait_writable(sock, deadline)
+        # Header and payload in one system call where the socket has room (one wake-up
+        # of the reader, not one for the header and one for the rest), then what is left.
+        views = [memoryview(header), memoryview(payload)]
+        while views:
+            try:
+                sent = sock.sendmsg(views, (), _MSG_FLAGS)
+            except (BlockingIOError, InterruptedError):
+                _wait_writable(sock, deadline)
+                continue
+            written = True
+            while views and sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            if views:
+                views[0] = views[0][sent:]
         if fds:
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", list(fds)))]
             marker = bytes([len(fds) % 256])
