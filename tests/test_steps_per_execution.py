@@ -4,6 +4,8 @@ Keras's own in-graph loop, and the refusal left for that loop
 (`kpipe.distribute._strategy._check_steps_per_execution`). The two-worker runs are in
 `tests/test_distribute_multiworker.py`."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -163,3 +165,50 @@ def test_the_refusal_is_only_for_a_step_traced_inside_a_while_loop():
     one_step = _Owner()
     one_step.steps_per_execution = 1
     assert _errors_when_traced_in_a_loop(one_step.step) == []
+
+
+@needs_keras_loop
+@pytest.mark.parametrize("steps, steps_per_epoch, epochs, repeat, runs_out", [
+    (2, 4, 2, False, True),  # epoch 2 goes on with the 5th batch: the input runs out
+    (3, 4, 3, False, False),  # 6 steps taken >= 5 batches: Keras restarts the input
+    (2, 3, 3, True, False),  # an endless input, epochs that end inside an execution
+    (3, None, 2, False, False),  # each epoch ends inside its second execution
+])
+def test_under_a_strategy_with_steps_per_epoch_the_python_loop_gives_what_keras_gives(
+        monkeypatch, steps, steps_per_epoch, epochs, repeat, runs_out):
+    # Under a strategy Keras builds the model from a first batch, and with
+    # `steps_per_epoch` it keeps one iterator across epochs: the Python loop must count
+    # its executions the same way as Keras's own in-graph loop through both.
+    _keras_hook.install()
+    rng = np.random.RandomState(0)
+    x, y = rng.rand(80, 4).astype("float32"), rng.randint(0, 2, 80)
+
+    def run():
+        keras.utils.set_random_seed(0)
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(2)])  # built from the first batch
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          steps_per_execution=steps)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        counts = _Counts()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(ds.repeat() if repeat else ds, epochs=epochs, verbose=0,
+                                shuffle=False, steps_per_epoch=steps_per_epoch, callbacks=[counts])
+        ran_out = any("ran out of data" in str(w.message) for w in caught)
+        return model.get_weights(), history.history["loss"], counts.begins["train"], ran_out
+
+    in_graph = run()
+    wrapped = []
+    original = _keras_hook._StepsInPython
+    monkeypatch.setattr(_keras_hook, "_multi_worker", lambda strategy: True)
+    monkeypatch.setattr(_keras_hook, "_StepsInPython", lambda *a: wrapped.append(a) or original(*a))
+    in_python = run()
+    assert wrapped  # the Python loop really ran
+    for a, b in zip(in_python[0], in_graph[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(in_python[1], in_graph[1], rtol=1e-6)
+    assert len(in_python[1]) == epochs and in_python[2] == in_graph[2]
+    # Keras's warning when a finite input runs out before `steps_per_epoch * epochs`.
+    assert in_python[3] == in_graph[3] == runs_out
