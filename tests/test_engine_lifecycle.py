@@ -463,6 +463,28 @@ def test_wire_send_completes_a_message_the_socket_takes_in_parts():
         receiver.close()
 
 
+def test_a_ctrl_c_landing_in_a_batch_release_is_raised_by_the_next_wait(no_leaks):
+    # Python prints and drops an exception raised in __del__: a Ctrl-C arriving while the
+    # last array of a batch is collected (its lease's release runs) would be lost, and a
+    # loop of `loader[i]` would go on (seen in test_ctrl_c_stops_everything).
+    from _datasets import Squares
+    from kpipe._engine import _shm
+
+    backend = _backend(Squares(n=4))
+    try:
+        x, _ = backend.get(backend.submit(0))[0]
+        lease = _shm.Lease(lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+        del lease  # its release is interrupted: nothing escapes the finalizer...
+        seq = backend.submit(1)
+        with pytest.raises(KeyboardInterrupt):  # ...the next wait raises it
+            backend.get(seq)
+        assert not backend.closed  # as a Ctrl-C in any other wait: the task is discarded
+        assert int(backend.get(backend.submit(2))[0][0].flat[0]) == 20  # and only once
+        del x
+    finally:
+        backend.close()
+
+
 def test_ctrl_c_while_a_state_send_waits_stops_the_pool_cleanly(ctrl_c, no_leaks):
     ds = StuckWithBigState(hang_at=1)
     backend = _backend(ds, "spawn", timeout=60.0)

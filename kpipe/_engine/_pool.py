@@ -74,10 +74,12 @@ id `retiring`: it gets no new task, and once its pending tasks are answered it i
 processes alive; a new worker takes the lowest free one.
 
 Failures: every wait is a `poll` on the worker sockets and process sentinels with a
-deadline (one poll set, kept while the workers stay the same), and so is every write: messages go out non-blocking,
-waiting for room in the socket with `poll` (`_wire.send`), because a worker stuck in
-`__getitem__` stops reading, and a large `init`/`state` payload would otherwise block the
-main process past any `timeout`. A worker exception comes back as data (type, message,
+deadline (one poll set, kept while the workers stay the same), and so is every write:
+messages go out non-blocking, waiting for room in the socket with `poll` (`_wire.send`),
+because a worker stuck in `__getitem__` stops reading, and a large `init`/`state` payload
+would otherwise block the main process past any `timeout`. A Ctrl-C that lands in a
+batch's release (a `Lease.__del__`, where Python would drop it) is raised by the next
+`get`. A worker exception comes back as data (type, message,
 traceback) and is re-raised for that batch; the pool stays usable. A dead worker (EOF
 on its socket, its sentinel fires, or a write gets EPIPE/ECONNRESET), a batch past
 `timeout`, or a worker that takes no message before the deadline raises
@@ -119,7 +121,7 @@ from multiprocessing import connection as mp_connection
 
 from kpipe._engine import _pickling, _procs, _tree, _wire
 from kpipe._engine import worker_info as _wi
-from kpipe._engine._shm import SlotPool, fd_limit_error, is_fd_exhaustion, plan_layout, raise_fd_limit
+from kpipe._engine._shm import SlotPool, fd_limit_error, is_fd_exhaustion, plan_layout, raise_fd_limit, take_interrupt
 from kpipe._engine._procs import WORKER_ENV as _WORKER_ENV  # noqa: F401 (scripts/bench_loaders.py)
 from kpipe._engine._procs import describe_exit
 from kpipe._engine._worker import pack_exception
@@ -604,6 +606,7 @@ class ProcessBackend:
         self._check_open()
         deadline = _wire.deadline_after(self.timeout)
         try:
+            take_interrupt()  # a Ctrl-C that landed in a lease's release (kpipe/_engine/_shm.py)
             while seq not in self._results:
                 owner = self._tasks[seq].worker
                 if owner.dead_error is not None:

@@ -405,8 +405,23 @@ class Lease:
         if cb is not None:
             try:
                 cb()
+            except KeyboardInterrupt:
+                # Python prints and drops an exception raised in __del__: a Ctrl-C that
+                # lands here would be lost. It is raised by the engine's next wait instead
+                # (`take_interrupt`); the slot of an interrupted release stays taken.
+                _INTERRUPTED[0] = True
             except Exception:  # never raise from a finalizer (interpreter shutdown, etc.)
                 pass
+
+
+_INTERRUPTED = [False]  # a KeyboardInterrupt caught in Lease.__del__, not raised yet
+
+
+def take_interrupt():
+    """Raises the KeyboardInterrupt that a lease's release caught, if any (once)."""
+    if _INTERRUPTED[0]:
+        _INTERRUPTED[0] = False
+        raise KeyboardInterrupt
 
 
 class _LeasedBuffer:
