@@ -772,6 +772,7 @@ class ProcessLoader(keras.utils.PyDataset):
             max_queue_size = _check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")
             max_workers = min(max_workers, max_queue_size)
         self._autoscaler = _autoscale.AutoScaler(limit, max_workers)
+        self._cpu_clock = _autoscale.CpuClock()
         return min(_autoscale.start_workers_for(limit), max_workers), max_queue_size or max(4, 2 * max_workers)
 
     def _maybe_autoscale(self):
@@ -786,9 +787,11 @@ class ProcessLoader(keras.utils.PyDataset):
             return
         self._autoscale_next = now + _AUTOSCALE_READ_S
         done, busy, cpu, runq = backend.timings
+        stolen, cpus_busy = self._cpu_clock()
         decision = self._autoscaler.observe(_autoscale.Sample(
             t=now, workers=backend.num_workers, consumed=self._stats["batches"], wait_s=self._stats["wait_s"],
             main_cpu_s=time.process_time(), done=done, busy_s=busy, cpu_s=cpu, runq_s=runq,
+            stolen_s=stolen, cpus_busy_s=cpus_busy,
         ))
         if decision is None:
             return

@@ -14,18 +14,23 @@ class Script:
     """Cumulative counters driven by per-window timings: `step(...)` advances a fake
     clock by one window in which the consumer took `consumed` batches and waited
     `wait_share` of the time, and the workers finished as many batches, each taking
-    `batch_s` of wall time, `cpu_s` of CPU and `runq_s` in the run queue."""
+    `batch_s` of wall time, `cpu_s` of CPU and `runq_s` in the run queue, while the
+    hypervisor took `stolen_share` of the (2) CPUs' busy time."""
 
     def __init__(self, workers):
         self.workers = workers
         self.t = 100.0
-        self.c = dict(consumed=0, wait_s=0.0, main_cpu_s=0.0, done=0, busy_s=0.0, cpu_s=0.0, runq_s=0.0)
+        self.c = dict(consumed=0, wait_s=0.0, main_cpu_s=0.0, done=0, busy_s=0.0, cpu_s=0.0, runq_s=0.0,
+                      stolen_s=0.0, cpus_busy_s=0.0)
 
     def sample(self):
         return Sample(t=self.t, workers=self.workers, **self.c)
 
-    def step(self, *, window_s=0.6, consumed=20, wait_share=0.9, batch_s=0.05, cpu_s=0.0005, runq_s=0.0, main_cpu_s=0.0001):
+    def step(self, *, window_s=0.6, consumed=20, wait_share=0.9, batch_s=0.05, cpu_s=0.0005, runq_s=0.0, main_cpu_s=0.0001,
+             stolen_share=0.0):
         c = self.c
+        c["stolen_s"] += 2 * window_s * stolen_share
+        c["cpus_busy_s"] += 2 * window_s * (1 - stolen_share)
         self.t += window_s
         c["consumed"] += consumed
         c["wait_s"] += wait_share * window_s
@@ -98,6 +103,47 @@ def test_half_io_work_may_use_twice_the_cpus():
     scaler, script = AutoScaler(2, 16), Script(2)
     run(scaler, script, 6, batch_s=0.02, cpu_s=0.01, wait_share=0.95)
     assert script.workers == 4
+
+
+def test_stolen_cpu_time_does_not_make_cpu_bound_work_look_io_bound():
+    # On a shared VM the hypervisor takes a share f of the CPUs' time: a worker burning
+    # 20 ms of CPU spends 20 / (1 - f) ms of wall time, neither in the run queue nor
+    # waiting on I/O. Read from /proc/stat's steal, f is taken out of the wall time.
+    for limit in (1, 2, 4):
+        for f in (0.2, 0.45, 0.7):
+            scaler, script = AutoScaler(limit, _autoscale.max_workers_for(limit)), Script(1)
+            decisions = run(scaler, script, 12, batch_s=0.02 / (1 - f), cpu_s=0.02, wait_share=0.95, stolen_share=f)
+            assert all(d.workers_to <= max(1, math.floor(limit)) for d in decisions), (limit, f, decisions)
+            assert script.workers == max(1, math.floor(limit)), (limit, f, script.workers)
+            if limit == 1:
+                continue  # it starts with the one worker it may have
+            assert decisions and all(abs(d.stolen_share - f) < 1e-6 for d in decisions)
+            assert f"{f:.0%} of the CPUs' time stolen" in decisions[0].reason and "CPU-bound" in decisions[0].reason
+    # the same timings without the steal reading would look ~half I/O-bound: more workers
+    scaler, script = AutoScaler(2, 16), Script(1)
+    run(scaler, script, 12, batch_s=0.02 / (1 - 0.45), cpu_s=0.02, wait_share=0.95)
+    assert script.workers > 2
+    # half I/O-bound work on stolen CPUs still gets past the CPUs: its off-CPU time is real
+    scaler, script = AutoScaler(2, 16), Script(2)
+    run(scaler, script, 6, batch_s=0.01 / (1 - 0.3) + 0.01, cpu_s=0.01, wait_share=0.95, stolen_share=0.3)
+    assert script.workers == 4
+
+
+def test_the_first_window_goes_past_the_cpus_only_for_clearly_io_bound_work():
+    # two batches of 60% CPU: maybe partly I/O-bound, maybe a burst of stolen or fault
+    # time -- the first decision stays within the CPUs, a later window goes past them
+    scaler, script = AutoScaler(2, 16), Script(1)
+    scaler.observe(script.sample())
+    d = scaler.observe(script.step(window_s=0.05, consumed=2, batch_s=0.02 / 0.6, cpu_s=0.02))
+    assert (d.workers_from, d.workers_to) == (1, 2) and "CPU-bound" in d.reason
+    script.workers = 2
+    run(scaler, script, 6, batch_s=0.02 / 0.6, cpu_s=0.02, wait_share=0.95)
+    assert script.workers == 3
+    # 10% CPU: the first window goes to the workers it needs at once
+    scaler, script = AutoScaler(2, 16), Script(2)
+    scaler.observe(script.sample())
+    d = scaler.observe(script.step(window_s=0.05, consumed=2, batch_s=0.02, cpu_s=0.002))
+    assert (d.workers_from, d.workers_to) == (2, 9) and "I/O-bound" in d.reason  # 400 batches/s x 20 ms x 1.1
 
 
 def test_a_busy_training_step_leaves_cpu_for_itself():
@@ -210,6 +256,30 @@ def test_cpu_limit_from_cgroup_v1(tmp_path):
     # inside the container the cgroup is mounted at its own root: "/" with no quota
     kw = _cgroup(tmp_path / "c", ["4:cpu,cpuacct:/docker/abc"], {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
     assert _autoscale.cpu_limit(affinity=16, **kw) == 16.0
+
+
+_PROC_STAT = b"""cpu  900 0 300 5000 10 0 20 150 0 0
+cpu0 400 0 100 2500 5 0 10 70 0 0
+cpu1 300 10 150 2500 5 0 5 50 0 0
+cpu2 200 0 50 0 0 0 5 30 40 0
+intr 123456 1 2 3
+cpu9 1 1 1 1 1 1 1 1 0 0
+"""
+
+
+def test_cpu_clock_counts_the_steal_and_busy_time_of_the_affinity_cpus(tmp_path):
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    path = tmp_path / "stat"
+    path.write_bytes(_PROC_STAT)
+    stolen, busy = _autoscale.CpuClock(str(path), cpus={0, 2})()
+    assert stolen == pytest.approx(100 * tick) and busy == pytest.approx((510 + 255) * tick)
+    stolen, busy = _autoscale.CpuClock(str(path), cpus={1})()  # no line after "intr" counts
+    assert stolen == pytest.approx(50 * tick) and busy == pytest.approx(465 * tick)
+    assert _autoscale.CpuClock(str(tmp_path / "missing"))() == (0.0, 0.0)
+    path.write_bytes(b"cpu  1 2 3 4\ncpu0 1 2 3 4\n")  # an old kernel: no steal column
+    assert _autoscale.CpuClock(str(path), cpus={0})() == (0.0, pytest.approx(6 * tick))
+    stolen, busy = _autoscale.CpuClock()()  # this machine: cumulative, and the file is not held open
+    assert stolen >= 0 and (busy > 0 or not os.path.exists("/proc/stat"))
 
 
 def test_cpu_limit_of_this_process_is_at_most_the_affinity():
