@@ -13,7 +13,7 @@ import keras
 import numpy as np
 
 from kpipe import _keras_hook
-from kpipe._engine import _autoscale, _tree
+from kpipe._engine import _ahead, _autoscale, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._cursor import STATE_FORMAT, PassCursor
 from kpipe._engine._planner import EpochPlanner
@@ -117,6 +117,19 @@ class ProcessLoader(keras.utils.PyDataset):
             everything in every worker.
         shard_index: This loader's shard, `0 <= shard_index < num_shards`. Defaults
             to None (see `num_shards`).
+        epoch_end_ahead: For a dataset with `on_epoch_end`, load the next pass while
+            the end of this one is read, instead of waiting at each pass end: once the
+            pass's last batch is sent to the workers, the hook runs on a copy of the
+            dataset (with this process's `random`/`numpy.random` states restored after
+            it) and the workers load the next pass from the copy's state. The real hook
+            still runs at the pass end; the batches loaded ahead are kept only if the
+            dataset's state then pickles to exactly the copy's bytes (same shared
+            arrays, unchanged), else they are loaded again. So the hook runs twice per
+            pass: use it only for hooks that change nothing but the dataset (a
+            reshuffle, an epoch counter) -- what it prints appears twice. With worker
+            processes only. `stats()["ahead"]` counts passes `kept`, `missed` and
+            `skipped`; the NOTE in `kpipe/_engine/_ahead.py` has the details.
+            Defaults to False.
 
     Raises:
         ValueError: for invalid arguments or an empty dataset.
@@ -160,8 +173,11 @@ class ProcessLoader(keras.utils.PyDataset):
         timeout=_DEFAULT_TIMEOUT_S,
         num_shards=None,
         shard_index=None,
+        epoch_end_ahead=False,
     ):
         self._autoscaler = None
+        if not isinstance(epoch_end_ahead, bool):
+            raise TypeError(f"`epoch_end_ahead` must be True or False. Received: epoch_end_ahead={epoch_end_ahead!r}.")
         if isinstance(workers, str) and workers == "auto":
             workers, max_queue_size = self._init_autoscale(max_queue_size, start_method, use_threads)
         workers = _check_int("workers", workers, 0, "Use 0 to load batches in the calling thread, or workers='auto'.")
@@ -187,6 +203,18 @@ class ProcessLoader(keras.utils.PyDataset):
         self.use_threads = bool(use_threads)
         self._name = type(dataset).__name__
         self._stateful = _overrides(dataset, "on_epoch_end") or _overrides(dataset, "on_epoch_begin")
+        self._ahead = None  # the next pass's state sent ahead of the hook (_ahead.Ahead)
+        self._ahead_stats = None
+        if epoch_end_ahead:
+            off = None
+            if not self._stateful:
+                off = f"`{self._name}` has no on_epoch_end/on_epoch_begin: passes load ahead anyway"
+            elif workers == 0 or use_threads:
+                off = "batches load in this process (workers=0 or use_threads=True): only worker processes load ahead"
+            self._ahead_stats = {"kept": 0, "missed": 0, "skipped": 0, "off": off, "last_reason": None}
+        self._ahead_tried = None  # the pass whose end was last tried
+        self._dumped = None  # the dataset pickled by _keep_ahead, for reset_target
+        self._ahead_fails = 0  # misses and skips in a row
         if _overrides(dataset, "on_epoch_begin"):
             dataset.on_epoch_begin()  # pass 0 begins now, before the dataset goes to workers
         num_batches = _num_batches(dataset)
@@ -334,12 +362,17 @@ class ProcessLoader(keras.utils.PyDataset):
         in flight, at most `max_queue_size`), and with `workers="auto"`: `cpu_limit`,
         `max_workers` and `auto_decisions` (the last 100 changes of the worker count,
         oldest first: `t` seconds since construction, `workers_from`, `workers_to`,
-        `reason` and the figures it rests on)."""
+        `reason` and the figures it rests on), and with `epoch_end_ahead=True`: `ahead`
+        (passes loaded ahead of `on_epoch_end` and `kept`, `missed` (loaded again) or
+        `skipped` (not loaded ahead), `last_reason`, and `off`: why it no longer tries,
+        or None)."""
         with self._lock:
             out = dict(self._stats)
             out["queue_depth"] = self._limit()
             out["workers"] = self.num_workers
             out["pids"] = list(self._backend.pids) if self._backend is not None else []
+            if self._ahead_stats is not None:
+                out["ahead"] = dict(self._ahead_stats)
             if self._autoscaler is not None:
                 out["cpu_limit"] = self._autoscaler.cpu_limit
                 out["max_workers"] = self._autoscaler.max_workers
@@ -544,6 +577,8 @@ class ProcessLoader(keras.utils.PyDataset):
         """The batch at `key`: loaded (or taken from what a probe kept). `keep` keeps it
         queued for the next read of the same key."""
         backend = self._ensure_backend()
+        if self._ahead is not None and key[0] >= self._ahead.pass_:  # before its real hook ran
+            self._cancel_ahead()
         entry = self._seek(key, probe=keep)
         if entry.batch is not None:
             batch = entry.batch
@@ -625,6 +660,8 @@ class ProcessLoader(keras.utils.PyDataset):
             self._queue.move_to_end(k)
 
     def _submit(self, key):
+        if self._ahead is not None and key[0] < self._ahead.pass_:  # the workers hold the next pass's state
+            self._cancel_ahead()
         index = self._planner.index(key[0], key[1], self._dataset_length(key[0]))
         self._stats["loads"] += 1
         return _Entry(index, self._backend.submit(index, seed=_wi.batch_seed(self.seed, key[0], key[1])))
@@ -647,7 +684,9 @@ class ProcessLoader(keras.utils.PyDataset):
         if last is None:
             key = self._cursor.direct_position() if after is _UNSET else after
         else:
-            key = self._cursor.successor(last, cross_passes=not self._stateful)
+            key = self._cursor.successor(last, cross_passes=self._may_cross(last[0]))
+            if key is None and self._begin_ahead(last):
+                key = self._cursor.successor(last, cross_passes=True)
         if key is None or key[0] > self._cursor.read_ahead_limit():
             return None
         return max(key, self._cursor.head)
@@ -678,7 +717,7 @@ class ProcessLoader(keras.utils.PyDataset):
         an idle worker -- unless the consumer released nothing between the last such wait
         and the next read (it keeps its batches, in a list say): then loading goes on in
         new slots, until it holds one batch at most again."""
-        after = _UNSET if key is None else self._cursor.successor(key, cross_passes=not self._stateful)
+        after = _UNSET if key is None else self._cursor.successor(key, cross_passes=self._may_cross(key[0]))
         backend = self._backend
         wait = self._consumer_releases and isinstance(backend, ProcessBackend) and backend.slots_held() >= 2
         if self._fill(after=after, new_slot=not wait) and wait:
@@ -692,26 +731,39 @@ class ProcessLoader(keras.utils.PyDataset):
         head = self._cursor.head
         for k in [k for k in self._queue if k < head]:
             self._drop(k)
-        n = self._dataset_length()
+        n = self._dataset_length(head[0] - 1)  # the pass that ended (one loaded ahead is newer)
         if self._stateful:
             try:
-                if hasattr(self.dataset, "on_epoch_end"):
-                    self.dataset.on_epoch_end()
-                if _overrides(self.dataset, "on_epoch_begin"):
-                    self.dataset.on_epoch_begin()
+                _call_hooks(self.dataset)
                 n = _num_batches(self.dataset)
-                for k in list(self._queue):
-                    self._drop(k)
-                if self._backend is not None:
-                    self._backend.reset_target(self.dataset)
-            except BaseException as exc:
+            except BaseException as exc:  # the workers keep the state they have, as the dataset failed
+                try:
+                    self._cancel_ahead()
+                except BaseException:  # (it closed the pool: the next read starts a new one)
+                    pass
                 self._after_failure()
                 self._deferred = exc
+            else:
+                try:
+                    if not self._keep_ahead(n):
+                        for k in list(self._queue):
+                            self._drop(k)
+                        if self._backend is not None:
+                            self._backend.reset_target(self.dataset, dumped=self._dumped)
+                except BaseException as exc:
+                    if isinstance(self._backend, ProcessBackend) and not self._backend.closed:
+                        self._backend.close(force=True)  # its workers' state is unknown: the next read starts a new pool
+                    self._after_failure()
+                    self._deferred = exc
+                finally:
+                    self._dumped = None
         self._dataset_lengths[head[0]] = n
         self._cursor.set_length(head[0], self._planner.length(n))
         self._fill_after_read()
 
     def _jump(self, pass_, position, num_batches):
+        self._cancel_ahead()
+        self._ahead_tried = None
         for k in list(self._queue):
             self._drop(k)
         self._dataset_lengths[pass_] = num_batches
@@ -745,11 +797,117 @@ class ProcessLoader(keras.utils.PyDataset):
                 seed=self.seed,
                 keep_idle=self.max_queue_size + (auto.max_workers if auto else self.num_workers),
                 max_workers=auto.max_workers if auto else None,
+                keep_payload=self._ahead_enabled(),
                 **common,
             )
             if auto is not None:
                 auto.reset()
                 self._maybe_autoscale()  # the first window opens as the workers start
+
+    # ------------------------------------------ epoch_end_ahead (kpipe/_engine/_ahead.py)
+    def _ahead_enabled(self):
+        return self._ahead_stats is not None and self._ahead_stats["off"] is None
+
+    def _may_cross(self, pass_):
+        """Whether batches of pass `pass_ + 1` may be loaded now (before `pass_` ends)."""
+        return not self._stateful or (self._ahead is not None and self._ahead.pass_ == pass_ + 1)
+
+    def _begin_ahead(self, last):
+        """`last`, the final batch of the head's pass, was sent to the workers: runs the
+        hooks on a copy and sends its state, so the next pass loads now. Returns True if
+        it did."""
+        backend = self._backend
+        pass_ = last[0]
+        if (
+            not self._ahead_enabled() or self._ahead is not None or self._ahead_tried == pass_
+            or pass_ != self._cursor.head[0] or pass_ + 1 > self._cursor.read_ahead_limit()
+            or self._deferred is not None or not isinstance(backend, ProcessBackend) or backend.closed
+        ):
+            return False
+        self._ahead_tried = pass_
+        payload, keys = backend.current_state()
+        try:
+            if payload is None:
+                raise _ahead.NotAhead("the workers' state is not kept")
+            out, out_keys, n = _ahead.run_hook_on_copy(
+                payload, backend.shared, call_hooks=_call_hooks, num_batches=_num_batches, what=f"`{self._name}`",
+            )
+            if out_keys != sorted(keys):
+                raise _ahead.NotAhead("on_epoch_end drops a shared array")
+            if n is None:
+                raise _ahead.NotAhead("the dataset becomes infinite")
+        except _ahead.NotAhead as exc:
+            self._ahead_failed("skipped", str(exc))
+            return False
+        self._ahead = _ahead.Ahead(pass_ + 1, out, out_keys, n, payload, sorted(keys))
+        self._dataset_lengths[pass_ + 1] = n
+        self._cursor.set_length(pass_ + 1, self._planner.length(n))
+        try:
+            backend.send_state(out, out_keys)
+        except BaseException:  # e.g. Ctrl-C: some workers may hold the copy's state
+            self._cancel_ahead()
+            raise
+        return True
+
+    def _keep_ahead(self, n):
+        """At a pass end, after the real hooks: whether the batches loaded ahead stand
+        (the dataset pickles to the copy's bytes). Either way the workers end up with
+        the dataset's state; returns False if the caller must still send it (with the
+        pickle made here, in `_dumped`)."""
+        ahead, self._ahead = self._ahead, None
+        self._dumped = None
+        backend = self._backend
+        if ahead is None or ahead.pass_ != self._cursor.head[0] or backend is None or backend.closed:
+            return False
+        payload, keys, rewrote = backend.dump(self.dataset)
+        if payload == ahead.payload and keys == ahead.keys and not rewrote and n == ahead.num_batches:
+            self._ahead_stats["kept"] += 1
+            self._ahead_fails = 0
+            return True
+        why = ("on_epoch_end edited a shared array in place" if rewrote else
+               f"the length became {n}, not {ahead.num_batches}" if n != ahead.num_batches else
+               "the dataset's state after on_epoch_end differs from the copy's")
+        self._ahead_failed("missed", why)
+        self._dataset_lengths.pop(ahead.pass_, None)
+        self._dumped = (payload, keys)
+        return False
+
+    def _ahead_failed(self, kind, reason):
+        stats = self._ahead_stats
+        stats[kind] += 1
+        stats["last_reason"] = reason
+        self._ahead_fails += 1
+        logger.debug("ProcessLoader(%s): pass not loaded ahead of on_epoch_end (%s): %s", self._name, kind, reason)
+        if self._ahead_fails >= _ahead.MISSES_OFF:
+            stats["off"] = f"{self._ahead_fails} passes in a row could not load ahead; the last: {reason}"
+            logger.info("ProcessLoader(%s, epoch_end_ahead=True): no longer loading ahead of on_epoch_end: %s",
+                        self._name, stats["off"])
+
+    def _cancel_ahead(self):
+        """Drops the batches loaded ahead and gives the workers back the state they had
+        (something reads or loads the current pass again, or jumps). Never leaves a pool
+        whose workers' state is unknown: one that could not be told is closed (the next
+        read starts a new one from the dataset)."""
+        ahead = self._forget_ahead()
+        if ahead is None:
+            return
+        for k in [k for k in self._queue if k[0] >= ahead.pass_]:
+            self._drop(k)
+        backend = self._backend
+        if backend is not None and not backend.closed:
+            try:
+                backend.reset_target(None, dumped=(ahead.prev_payload, ahead.prev_keys))
+            except BaseException:
+                backend.close(force=True)
+                self._after_failure()
+                raise
+
+    def _forget_ahead(self):
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._dataset_lengths.pop(ahead.pass_, None)
+            self._cursor.forget_length(ahead.pass_)
+        return ahead
 
     # ------------------------------------------------------- workers="auto"
     def _init_autoscale(self, max_queue_size, start_method, use_threads):
@@ -824,6 +982,7 @@ class ProcessLoader(keras.utils.PyDataset):
         if self._backend is not None and self._backend.closed:  # e.g. Ctrl-C mid-send
             self._backend = None
             self._queue.clear()
+            self._forget_ahead()
         if self._backend is None:  # a fatal failure stopped the previous workers
             self._stats["restarts"] += 1
             self._start_backend()
@@ -833,6 +992,7 @@ class ProcessLoader(keras.utils.PyDataset):
         if self._backend is not None and self._backend.closed:
             self._backend = None
             self._queue.clear()
+            self._forget_ahead()
 
     def _starved(self, seq):
         """A worker ran out of work while the consumer waits for batch `seq`. Returns
@@ -973,6 +1133,14 @@ def _check_int(name, value, minimum, fix):
     if value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value}. {fix}".rstrip())
     return int(value)
+
+
+def _call_hooks(dataset):
+    """What runs at a pass end: the dataset's on_epoch_end, then its on_epoch_begin."""
+    if hasattr(dataset, "on_epoch_end"):
+        dataset.on_epoch_end()
+    if _overrides(dataset, "on_epoch_begin"):
+        dataset.on_epoch_begin()
 
 
 def _num_batches(dataset):

@@ -18,6 +18,13 @@ Workloads (issue #2):
 The ceiling is the same per-batch work done by `--workers` bare processes that return
 nothing (no hand-off at all), set up as kpipe's workers are: each fills one reused
 buffer where the dataset calls `kpipe.empty`, and glibc keeps freed memory for reuse.
+For a workload whose dataset has `on_epoch_end` (b), two more rows: "kpipe-ahead" is
+kpipe with `epoch_end_ahead=True` (the next pass loads from the hook run on a copy; it
+prints how many passes loaded ahead were kept), and "ceiling-passes" is the ceiling's
+bare processes with the barrier Keras's semantics put at every pass end: each runs whole
+passes and, once all have finished one, runs the hook on its own copy and goes on. The
+ceiling against ceiling-passes is what that barrier alone costs (no hand-off, a free
+hook); a loader that waits at pass ends stays below ceiling-passes.
 Throughput is measured from the first batch to the end of the last epoch, so
 per-epoch costs (Keras re-forking its pool, say) count and the one-time start-up is
 reported on its own: "1st batch s" is the time from constructing the loader to
@@ -286,7 +293,8 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=
         inner = make()
     t0 = time.perf_counter()  # the dataset exists; the loader is constructed from here on
     if kind.startswith("kpipe"):
-        ds = kpipe.ProcessLoader(inner, workers=workers, max_queue_size=max_queue, use_threads=kind == "kpipe-threads")
+        ds = kpipe.ProcessLoader(inner, workers=workers, max_queue_size=max_queue, use_threads=kind == "kpipe-threads",
+                                 epoch_end_ahead=kind == "kpipe-ahead")
     adapter = PyDatasetAdapter(ds, shuffle=False)
     start = []
     for _ in _timed_epochs(counts, start, warmup, epochs, min_seconds):
@@ -294,6 +302,10 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=
         consume(adapter.get_numpy_iterator(), counts)
         adapter.on_epoch_end()
     end = time.perf_counter()
+    if kind == "kpipe-ahead":
+        ahead = ds.stats()["ahead"]
+        print(f"    kpipe-ahead: passes loaded ahead of on_epoch_end kept {ahead['kept']}, missed {ahead['missed']}, "
+              f"skipped {ahead['skipped']}{'; off: ' + ahead['off'] if ahead['off'] else ''}", flush=True)
     if hasattr(ds, "close"):
         ds.close()
     return _rate(counts, start, end, warmup), counts[2] - t0, counts[0]
@@ -328,6 +340,7 @@ from kpipe._engine._shm import Segment
 with open(sys.argv[1], "rb") as f:
     ds = cloudpickle.load(f)
 w, n_workers, epochs, min_seconds = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+pass_ends = sys.argv[6] == "1"
 # The same buffers a kpipe worker has: `kpipe.empty` returns memory of a reused slot.
 slot = Segment.create(0)
 def load(i):
@@ -340,19 +353,31 @@ load(w % len(ds))  # warm-up (lazy file opening, the slot's pages), not timed
 print("READY", flush=True)
 sys.stdin.readline()  # all workers start together
 t0 = time.time(); samples = 0; epoch = 0
-while epoch < epochs or time.time() - t0 < min_seconds:
-    for i in range(w, len(ds), n_workers):
-        samples += len(load(i)[0])
-        if epoch >= epochs and time.time() - t0 >= min_seconds:
+if pass_ends:  # whole passes; at each end all wait for the last, then run the hook
+    while True:
+        for i in range(w, len(ds), n_workers):
+            samples += len(load(i)[0])
+        print("END", flush=True)
+        if sys.stdin.readline().strip() != "GO":
             break
-    epoch += 1
+        ds.on_epoch_end()
+else:
+    while epoch < epochs or time.time() - t0 < min_seconds:
+        for i in range(w, len(ds), n_workers):
+            samples += len(load(i)[0])
+            if epoch >= epochs and time.time() - t0 >= min_seconds:
+                break
+        epoch += 1
 print(samples, t0, time.time(), flush=True)
 """
 
 
-def run_ceiling(make, epochs, workers, min_seconds=0):
+def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False):
     """`workers` bare processes doing the same batches, returning nothing, for at least
-    `epochs` epochs and `min_seconds` seconds."""
+    `epochs` epochs and `min_seconds` seconds. With `pass_ends`, they run whole passes
+    and, at each pass end, wait until all have finished it and then each run the
+    dataset's `on_epoch_end` on its own copy: the barrier a hook of Keras's semantics
+    puts at every pass end (the next pass may depend on it), at no cost of its own."""
     import cloudpickle
 
     from kpipe._engine import _pydataset_shim
@@ -375,7 +400,8 @@ def run_ceiling(make, epochs, workers, min_seconds=0):
     # The environment of kpipe's workers too (glibc keeps freed buffers for reuse).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **_WORKER_ENV)
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, path, str(w), str(workers), str(epochs), str(min_seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen([sys.executable, "-c", code, path, str(w), str(workers), str(epochs), str(min_seconds), str(int(pass_ends))],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         for w in range(workers)
     ]
     for p in procs:
@@ -383,6 +409,17 @@ def run_ceiling(make, epochs, workers, min_seconds=0):
     for p in procs:
         p.stdin.write("GO\n")
         p.stdin.flush()
+    t0, done = time.time(), 0
+    while pass_ends:
+        for p in procs:
+            assert p.stdout.readline().strip() == "END"
+        done += 1
+        go = done < epochs or time.time() - t0 < min_seconds
+        for p in procs:
+            p.stdin.write("GO\n" if go else "STOP\n")
+            p.stdin.flush()
+        if not go:
+            break
     total, starts, ends = 0, [], []
     for p in procs:
         out, _ = p.communicate(timeout=1800)
@@ -406,8 +443,10 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
     """Runs every loader (and the ceiling) `repeats` times, in rounds, so that drift in
     the machine's speed spreads over all of them; keeps each one's best throughput (noise
     only ever slows a run down), the median time to first batch and the highest RSS."""
+    ceilings, barrier_ceilings = [], []
+    has_hook = _has_epoch_hook(make())
+    loaders = [k for k in loaders if k != "kpipe-ahead" or has_hook]  # the option is for epoch hooks
     runs = {kind: [] for kind in loaders}
-    ceilings = []
     for _ in range(repeats):
         for kind in loaders:
             warm_memory(warm_mb)
@@ -421,6 +460,10 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
         warm_memory(warm_mb)
         ceilings.append(run_ceiling(make, epochs, workers, min_seconds))
         print(f"  {workload}: {'ceiling':<14} {ceilings[-1]:10.1f} samples/s", flush=True)
+        if has_hook:
+            warm_memory(warm_mb)
+            barrier_ceilings.append(run_ceiling(make, epochs, workers, min_seconds, pass_ends=True))
+            print(f"  {workload}: {'ceiling-passes':<14} {barrier_ceilings[-1]:10.1f} samples/s", flush=True)
     rows = []
     for kind in loaders:
         speeds = [r[0] for r in runs[kind]]
@@ -442,7 +485,17 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
         r["x_serial"] = r["samples_per_s"] / serial if serial else None
         r["x_ceiling"] = r["samples_per_s"] / ceiling
     rows.append({"workload": workload, "loader": "ceiling", "workers": workers, "samples_per_s": ceiling, "samples_per_s_runs": ceilings, "x_serial": ceiling / serial if serial else None, "x_ceiling": 1.0})
+    if barrier_ceilings:
+        rate = max(barrier_ceilings)
+        rows.append({"workload": workload, "loader": "ceiling-passes", "workers": workers, "samples_per_s": rate, "samples_per_s_runs": barrier_ceilings,
+                     "x_serial": rate / serial if serial else None, "x_ceiling": rate / ceiling})
     return rows
+
+
+def _has_epoch_hook(ds):
+    """Whether `ds` defines its own `on_epoch_end` (the Keras base class's does nothing)."""
+    own = type(ds).on_epoch_end
+    return all(own is not getattr(base, "on_epoch_end", None) for base in (keras.utils.PyDataset, keras.utils.Sequence))
 
 
 def rss_growth(make, epochs, workers):
@@ -483,6 +536,13 @@ def check_targets(rows, growth, io_workers):
         checks.append(("(b) kpipe >= 1.5x serial", b_k["x_serial"], 1.5))
     if b_k:
         checks.append(("(b) kpipe >= 0.85x ceiling", b_k["x_ceiling"], 0.85))
+        b_a = get("b", "kpipe-ahead")
+        if b_a:
+            checks.append(("(b) kpipe epoch_end_ahead=True >= 0.85x ceiling", b_a["x_ceiling"], 0.85))
+        b_p = get("b", "ceiling-passes")
+        if b_p:  # what the hook's pass-end barrier alone leaves of the ceiling, and kpipe of that
+            print(f"\n(b) the ceiling with a barrier and the hook at each pass end reaches {b_p['x_ceiling']:.2f}x the ceiling; "
+                  f"kpipe reaches {b_k['samples_per_s'] / b_p['samples_per_s']:.2f}x of that")
     a_k, a_mp = get("a", "kpipe"), get("a", "keras-mp")
     if a_k and a_mp:
         checks.append(("(a) kpipe >= 0.85x ceiling", a_k["x_ceiling"], 0.85))
@@ -508,7 +568,7 @@ def check_targets(rows, growth, io_workers):
 _WORKLOADS = ("a", "b", "b-direct", "c")
 _EXTRA_WORKLOADS = ("b-fixed",)  # run only when named
 _ALL_WORKLOADS = _WORKLOADS + _EXTRA_WORKLOADS
-_LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe")
+_LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "kpipe-ahead")
 _EPOCHS = "a=10,b=8,b-fixed=8,b-direct=30,c=2"
 
 

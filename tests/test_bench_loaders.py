@@ -39,9 +39,16 @@ def test_bench_loaders_quick_run_reports_every_loader(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_bench_loaders_runs_the_fixed_order_workload_beside_b(tmp_path):
-    stdout, result = _run(tmp_path, "--workloads", "b,b-fixed", "--loaders", "kpipe", "--epochs", "2", "--rss-epochs", "0")
-    assert [(r["workload"], r["loader"]) for r in result["rows"]] == [(w, k) for w in ("b", "b-fixed") for k in ("kpipe", "ceiling")]
-    assert "(b) kpipe >= 0.85x ceiling" in stdout
+    stdout, result = _run(tmp_path, "--workloads", "b,b-fixed", "--loaders", "kpipe,kpipe-ahead", "--epochs", "2", "--rss-epochs", "0")
+    # b has an on_epoch_end: kpipe with epoch_end_ahead=True, and the ceiling with a barrier
+    # at each pass end; b-fixed has none, so neither runs there
+    assert [(r["workload"], r["loader"]) for r in result["rows"]] == [
+        ("b", "kpipe"), ("b", "kpipe-ahead"), ("b", "ceiling"), ("b", "ceiling-passes"), ("b-fixed", "kpipe"), ("b-fixed", "ceiling"),
+    ]
+    assert all(r["samples_per_s"] > 0 for r in result["rows"])
+    assert "(b) kpipe >= 0.85x ceiling" in stdout and "(b) kpipe epoch_end_ahead=True >= 0.85x ceiling" in stdout
+    assert "(b) the ceiling with a barrier and the hook at each pass end reaches" in stdout
+    assert "kpipe-ahead: passes loaded ahead of on_epoch_end kept 2, missed 0, skipped 0" in stdout  # both pass ends
 
 
 @pytest.mark.slow
@@ -50,7 +57,8 @@ def test_bench_loaders_runs_the_fixed_order_workload_beside_b(tmp_path):
 def test_bench_loaders_runs_each_loader_and_the_ceiling_for_min_seconds(tmp_path):
     _, result = _run(tmp_path, "--workloads", "b", "--loaders", "kpipe", "--epochs", "1", "--min-seconds", "0.5", "--rss-epochs", "0")
     assert result["min_seconds"] == 0.5
-    kpipe_row, ceiling = result["rows"]
+    kpipe_row, ceiling, passes = result["rows"]
+    assert passes["loader"] == "ceiling-passes" and passes["samples_per_s"] > 0
     assert kpipe_row["loader"] == "kpipe" and kpipe_row["batches"] >= 2  # whole epochs: 2 batches each at --quick sizes
     assert ceiling["loader"] == "ceiling" and ceiling["samples_per_s"] > 0
 

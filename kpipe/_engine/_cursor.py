@@ -84,6 +84,11 @@ class PassCursor:
     def set_length(self, pass_, length):
         self._lengths[pass_] = length  # kept for every pass: walks from old keys need them
 
+    def forget_length(self, pass_):
+        """Forgets a length set ahead for a later pass (never the only one known)."""
+        if pass_ in self._lengths and len(self._lengths) > 1:
+            del self._lengths[pass_]
+
     def successor(self, key, *, cross_passes):
         """The key after `key` in the sequence, or None where the plan is not known yet."""
         pass_, pos = key

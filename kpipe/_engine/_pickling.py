@@ -51,6 +51,7 @@ class SharedArrays:
         self._by_id = {}  # id(array) -> key
         self.entries = {}  # key -> [segment, array, layout]
         self._next = 0
+        self.rewrites = 0  # shared copies rewritten because their array changed in place
 
     def put(self, arr):
         """Returns `(key, is_new)`; (re)writes the shared copy only when it differs.
@@ -65,6 +66,7 @@ class SharedArrays:
                 view = seg.views(layout)[0]
                 if not np.array_equal(view, arr):
                     seg.write([arr], layout)
+                    self.rewrites += 1
                 return key, False
         key = f"a{self._next}"
         try:

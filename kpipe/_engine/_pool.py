@@ -64,6 +64,11 @@ Descriptors, bounded by what is alive:
           in `on_epoch_end`, or resized in place) are freed here (`SharedArrays.retain`)
           and named in the `state` message, so each worker unmaps them too.
 
+A new target version without a wait (`send_state`, for `epoch_end_ahead=True`): the
+`state` message goes behind each worker's pending tasks, which still run on the old
+version; tasks submitted after it run on the new one (a worker handles its messages in
+order). It may hold only the shared arrays the workers already map.
+
 Changing the worker count (`workers="auto"`): `add_worker` forks new workers from the
 fork server (or spawns them), gives them the target's current state (a `state` message
 when `reset_target` ran since the server unpickled it) and puts them before the server
@@ -180,7 +185,8 @@ class ProcessBackend:
     """Runs `target[key]` (mode "dataset") or `target(inputs)` (mode "function") in worker
     processes. Used from one thread at a time."""
 
-    def __init__(self, target, *, num_workers, mode, start_method, timeout, seed, name, keep_idle, max_workers=None):
+    def __init__(self, target, *, num_workers, mode, start_method, timeout, seed, name, keep_idle, max_workers=None,
+                 keep_payload=False):
         if start_method not in _START_METHODS:
             raise ValueError(
                 f"Invalid value for argument `start_method`. Received: start_method={start_method!r}. "
@@ -213,6 +219,7 @@ class ProcessBackend:
         self._start_method = start_method
         self._info_workers = max(num_workers, max_workers or 0)  # WorkerInfo.num_workers
         self._growable = self._info_workers > num_workers  # keeps the pickled target for new workers
+        self._keep_payload = keep_payload  # ... or for `current_state` (loading ahead)
         self._payload = self._keys = self._zygote_keys = None
         self._reset_since_fork = False  # the fork server holds an older target
         self.timings = [0, 0.0, 0.0, 0.0]  # batches done; their wall, CPU and run-queue seconds
@@ -299,7 +306,7 @@ class ProcessBackend:
             proc.array_keys = set(self._keys)
 
     def _forget_payload(self):
-        if not self._growable:  # no worker will be added: do not keep a pickled copy
+        if not (self._growable or self._keep_payload):  # no one needs the pickled copy again
             self._payload = None
 
     def _send_state(self, proc, deadline):
@@ -656,13 +663,17 @@ class ProcessBackend:
         if task.in_slot is not None:
             self._slots.release(task.in_slot)
 
-    def reset_target(self, target):
+    def reset_target(self, target, dumped=None):
         """Sends a new version of the target (e.g. after `on_epoch_end`) to every worker.
 
-        Call it with no task in flight. Waits until every worker has loaded it. Shared
-        arrays the new version no longer holds (replaced rather than edited) are freed
-        here and dropped by every worker. Sending and waiting together take at most
-        `timeout`.
+        Call it with no task in flight (discarded ones may still be). Waits until every
+        worker has loaded it. Shared arrays the new version no longer holds (replaced
+        rather than edited) are freed here and dropped by every worker. Sending and
+        waiting together take at most `timeout`.
+
+        Args:
+            target: The new version.
+            dumped: `dump(target)`'s result if the caller pickled it already.
 
         Raises:
             BatchTimeoutError: a worker did not take or load the new state in time.
@@ -673,12 +684,8 @@ class ProcessBackend:
         for p in self._active:
             if p.dead_error is not None:
                 self._fail(p.dead_error)
-        payload, keys = _pickling.dumps(target, self._shared, what=f"`{self.name}`")
-        self._payload, self._keys, self._reset_since_fork = payload, sorted(keys), True
-        for p in self._active:
-            self._send_state(p, deadline)
-        self._forget_payload()
-        self._shared.retain(keys)
+        payload, keys = (dumped[0], dumped[1]) if dumped is not None else self.dump(target)[:2]
+        self._send_state_to_all(payload, keys, deadline)
         while any(p.pending for p in self._active):
             dead = next((p for p in self._active if p.dead_error is not None), None)
             if dead is not None:
@@ -690,6 +697,41 @@ class ProcessBackend:
                     f"Workers of `{self.name}` did not finish their batches within timeout={self.timeout} s."
                 ))
             self._pump(remaining)
+
+    def dump(self, target):
+        """Pickles `target` as the workers would get it. Returns `(payload, keys,
+        rewrote)`: `rewrote` is True if a shared array's copy was rewritten (the target
+        edited it in place since the last dump)."""
+        rewrites = self._shared.rewrites
+        payload, keys = _pickling.dumps(target, self._shared, what=f"`{self.name}`")
+        return payload, sorted(keys), self._shared.rewrites != rewrites
+
+    def current_state(self):
+        """`(payload, keys)` the workers hold now (with `keep_payload=True`)."""
+        return self._payload, list(self._keys)
+
+    @property
+    def shared(self):
+        return self._shared
+
+    def send_state(self, payload, keys):
+        """Queues a new target version (`dump` output holding only arrays the workers
+        hold) behind each worker's tasks, without waiting: tasks submitted afterwards
+        run on it. New workers get it too."""
+        self._check_open()
+        if sorted(keys) != self._keys:
+            raise ValueError(f"send_state takes the shared arrays the workers hold ({self._keys}); received {sorted(keys)}")
+        for p in self._active:
+            if p.dead_error is not None:
+                self._fail(p.dead_error)
+        self._send_state_to_all(payload, keys, _wire.deadline_after(self.timeout))
+
+    def _send_state_to_all(self, payload, keys, deadline):
+        self._payload, self._keys, self._reset_since_fork = payload, sorted(keys), True
+        for p in self._active:
+            self._send_state(p, deadline)
+        self._forget_payload()
+        self._shared.retain(set(keys))
 
     def _poll_set(self):
         """A `select.poll` with the sockets and sentinels of the live workers, made anew
@@ -903,7 +945,7 @@ class ThreadBackend:
         if item is not None:
             item[1].cancel()
 
-    def reset_target(self, target):
+    def reset_target(self, target, dumped=None):  # threads share the object: nothing to pickle
         for seq in list(self._futures):
             self.discard(seq)
         self._target = target
@@ -944,7 +986,7 @@ class InlineBackend:
     def discard(self, seq):
         self._todo.pop(seq, None)
 
-    def reset_target(self, target):
+    def reset_target(self, target, dumped=None):
         self._todo.clear()
         self._target = target
 

@@ -565,10 +565,11 @@ def _advice(figures, warn_above, epoch, input_kind, pattern=(None, {}), loader=N
 _START_FIX = {
     "process_loader": (
         "Fix: a ProcessLoader loads the next epoch's first batches ahead unless the dataset has "
-        "`on_epoch_end`/`on_epoch_begin` (the next order may depend on them): if those only "
-        "reshuffle, drop them and pass `shuffle=True, seed=...` to the ProcessLoader, which "
-        "plans every pass ahead; a larger `max_queue_size` (now {queue}) has more batches ready "
-        "when an epoch starts."
+        "`on_epoch_end`/`on_epoch_begin` (the next order may depend on them): if those change "
+        "nothing but the dataset (a reshuffle, an epoch counter), pass `epoch_end_ahead=True` "
+        "(the next pass loads from the hook run on a copy, checked against the real one), or "
+        "drop them and pass `shuffle=True, seed=...`, which plans every pass ahead; a larger "
+        "`max_queue_size` (now {queue}) has more batches ready when an epoch starts."
     ),
     "pydataset": (
         "Fix: Keras's own loader starts over at every epoch; `kpipe.ProcessLoader(dataset, "

@@ -1,0 +1,153 @@
+"""Loading the next pass ahead of a dataset's `on_epoch_end` (`epoch_end_ahead=True`).
+
+NOTE [ The next pass, ahead of the hook ]
+-----------------------------------------
+A dataset with `on_epoch_end` (a reshuffle, a new epoch counter) makes every pass wait at
+its end: the next pass may depend on what the hook does, so plain Keras -- and kpipe by
+default -- load nothing of it until the last batch is out and the hook has run. With
+16 batches per pass and 2 workers, that barrier alone leaves ~0.88x of what bare
+processes reach (`python scripts/bench_loaders.py --workloads b`, "ceiling-passes").
+
+With `ProcessLoader(..., epoch_end_ahead=True)`, once the last batch of pass p is sent
+to the workers the loader
+
+1. rebuilds a copy of the dataset from the bytes the workers hold (`dumps` output; big
+   arrays are read-only views of their shared copies, so the copy cannot edit them),
+2. runs `on_epoch_end` (and `on_epoch_begin` if the dataset defines one) on the copy,
+   with this process's `random` and `numpy.random` global states saved and restored
+   around it (a hook calling `np.random.shuffle` draws the same numbers when it really
+   runs),
+3. pickles the copy: those bytes go to every worker behind its pass-p tasks, and the
+   workers load pass p+1 from them while the consumer reads the end of pass p.
+
+At the real pass end the dataset's own hook runs as it always does, and the dataset is
+pickled as it always is. The batches loaded ahead are kept only if those bytes are the
+copy's bytes, the dataset holds the same shared arrays with unchanged contents, and its
+length is the copy's: the workers then hold exactly the state they would have received.
+Otherwise they are discarded, the real state is sent and pass p+1 loads again, as
+without the option. A miss costs only time: a hook that reads the clock, unseeded
+randomness, a callback's metrics or anything else outside the dataset misses; after
+`MISSES_OFF` misses in a row the loader stops trying (`stats()["ahead"]`, and a log
+line at INFO).
+
+The copy is not made (that pass waits as without the option) when the hook on the copy
+raises, edits a shared array in place, or leaves a big array the workers do not hold
+(a new index array of 1 MiB or more: on such large datasets the barrier is a tiny share
+of a pass anyway). What the option changes for the user: the hook runs twice per pass,
+once on the copy -- so a hook must only change the dataset itself (what it prints, it
+prints twice; files it writes, it writes twice).
+
+Anything that reads or loads pass p after the copy went out (a stream replaying the
+pass, a probe, `set_epoch`, `restore`) or reads pass p+1 before the real hook ran first
+drops the batches loaded ahead and sends the workers the dataset's real state
+(`ProcessLoader._cancel_ahead`); a new worker pool (after a failure) starts from the
+real state.
+"""
+
+import dataclasses
+import random
+
+import numpy as np
+
+from kpipe._engine import _pickling
+
+MISSES_OFF = 2  # misses in a row after which a loader stops loading ahead
+
+
+class NotAhead(Exception):
+    """The copy's hook cannot stand for the real one this pass (the message says why)."""
+
+
+@dataclasses.dataclass
+class Ahead:
+    """What was sent to the workers for pass `pass_`, to check at the real pass end."""
+
+    pass_: int
+    payload: bytes
+    keys: list
+    num_batches: int
+    prev_payload: bytes  # what the workers held before: sent back if this is cancelled
+    prev_keys: list
+
+
+class _ReadOnlyArrays:
+    """`loads` segments: read-only views of the shared arrays, and which key each is."""
+
+    def __init__(self, shared):
+        self._shared = shared
+        self.ids = {}
+        self.views = []  # keeps every view alive, so that no id is reused meanwhile
+
+    def __getitem__(self, key):
+        return _Segment(self, key)
+
+
+class _Segment:
+    def __init__(self, owner, key):
+        self._owner, self._key = owner, key
+
+    def views(self, layouts):
+        out = self._owner._shared.entries[self._key][0].views(layouts, writable=False)
+        for arr in out:
+            self._owner.ids[id(arr)] = self._key
+            self._owner.views.append(arr)
+        return out
+
+
+class _Aliases:
+    """`dumps` registry for the copy: its arrays must be the views it was built with."""
+
+    def __init__(self, shared, ids):
+        self._shared, self._ids = shared, ids
+
+    def put(self, arr):
+        key = self._ids.get(id(arr))
+        if key is None:
+            raise NotAhead(f"on_epoch_end left a {arr.nbytes}-byte array that the workers do not hold (a new or resized array)")
+        return key, False
+
+    def layout(self, key):
+        return self._shared.layout(key)
+
+
+def run_hook_on_copy(payload, shared, *, call_hooks, num_batches, what):
+    """Runs the dataset's pass-end hooks on a copy rebuilt from `payload`.
+
+    Args:
+        payload: The `dumps` bytes the workers hold now.
+        shared: The backend's `SharedArrays`.
+        call_hooks: `call_hooks(dataset)` runs its on_epoch_end (and on_epoch_begin).
+        num_batches: `num_batches(dataset)` reads its length.
+        what: How to name the dataset in messages.
+
+    Returns:
+        `(payload, keys, num_batches)` of the copy after its hooks.
+
+    Raises:
+        NotAhead: the copy cannot stand for the real dataset this pass.
+    """
+    arrays = _ReadOnlyArrays(shared)
+    try:
+        copy = _pickling.loads(payload, arrays)
+    except Exception as exc:
+        raise NotAhead(f"the dataset could not be rebuilt here: {type(exc).__name__}: {exc}") from None
+    states = random.getstate(), np.random.get_state()
+    try:
+        call_hooks(copy)
+        n = num_batches(copy)
+    except ValueError as exc:
+        if "read-only" in str(exc):
+            raise NotAhead("on_epoch_end edits a shared array in place") from None
+        raise NotAhead(f"on_epoch_end on the copy raised ValueError: {exc}") from None
+    except Exception as exc:
+        raise NotAhead(f"on_epoch_end on the copy raised {type(exc).__name__}: {exc}") from None
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+    try:
+        out, keys = _pickling.dumps(copy, _Aliases(shared, arrays.ids), what=what)
+    except Exception as exc:
+        if isinstance(exc.__cause__, NotAhead):  # dumps wraps what persistent_id raises
+            raise exc.__cause__ from None
+        raise NotAhead(f"the copy could not be pickled: {type(exc).__name__}: {exc}") from None
+    return out, sorted(keys), n
