@@ -252,3 +252,26 @@ def test_fifty_passes_ahead_hold_no_more_memory_or_descriptors_than_five(no_leak
         assert memfd_count() <= fds and len(loader._backend.shared.entries) == segments == 1
         stats = loader.stats()
     assert stats["ahead"]["kept"] >= 49 and stats["passes"] == 50 and stats["discards"] == 0
+
+
+def test_a_ctrl_c_while_sending_the_state_at_a_pass_end_leaves_no_pool_in_doubt(no_leaks):
+    # without the option: the state after on_epoch_end reached some workers, or none
+    with kpipe.ProcessLoader(Reshuffles(n=6), workers=2, seed=4) as loader:
+        plain = _read(loader, 3)
+    with kpipe.ProcessLoader(Reshuffles(n=6), workers=2, seed=4) as loader:
+        got = [loader[i].tolist() for i in range(5)]
+        backend, pids = loader._backend, loader.stats()["pids"]
+        real = backend.reset_target
+
+        def interrupted(*args, **kw):
+            backend.reset_target = real
+            raise KeyboardInterrupt
+
+        backend.reset_target = interrupted
+        got.append(loader[5].tolist())  # the batch is out; the interrupt comes with the next read
+        with pytest.raises(KeyboardInterrupt):
+            loader[0]
+        got += _read(loader, 2)
+        stats = loader.stats()
+    assert got == plain
+    assert stats["restarts"] == 1 and not set(stats["pids"]) & set(pids)
