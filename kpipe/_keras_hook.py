@@ -261,8 +261,17 @@ def _wrap_symbolic_build():
         loader = iterator.data_adapter._loader()
         loader._keras_iterator = weakref.ref(iterator)  # BackupAndRestore aligns its step count
         del loader
-        with probe():
-            return original(self, *args, **kwargs)
+        kept = getattr(iterator, "_current_iterator", None)
+        try:
+            with probe():
+                return original(self, *args, **kwargs)
+        finally:
+            # Keras < 3.7 builds from the epoch iterator's own `_current_iterator` when
+            # steps are given, and trains on from it: a probe's stream, which ended with the
+            # probe (the epoch then got only what tf.data had prefetched). Drop it, as
+            # Keras 3.7+ drops its throwaway iterator: the epoch starts a stream of its own.
+            if kept is None and getattr(iterator, "_current_iterator", None) is not None:
+                iterator._current_iterator = None
 
     _maybe_symbolic_build._kpipe_wrapped = True
     TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build

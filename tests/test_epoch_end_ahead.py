@@ -275,3 +275,30 @@ def test_a_ctrl_c_while_sending_the_state_at_a_pass_end_leaves_no_pool_in_doubt(
         stats = loader.stats()
     assert got == plain
     assert stats["restarts"] == 1 and not set(stats["pids"]) & set(pids)
+
+
+@pytest.mark.slow
+def test_keras_probes_a_dropped_evaluate_and_shards_around_the_copy_train_as_without_the_option(no_leaks):
+    # a strategy makes Keras pull batches to build the model (probes); evaluate(steps=3)
+    # drops its stream mid-pass, so the next fit() replays that pass from its start
+    import keras
+    import tensorflow as tf
+
+    from _keras_datasets import ReplacingIds
+
+    def train(ahead):
+        keras.utils.set_random_seed(0)
+        with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        with kpipe.ProcessLoader(ReplacingIds(12), workers=2, num_shards=2, shard_index=1, shuffle=True, seed=3,
+                                 epoch_end_ahead=ahead) as loader:
+            logs = [model.fit(loader, epochs=2, verbose=0).history]
+            logs.append(model.evaluate(loader, steps=3, verbose=0))
+            logs.append(model.fit(loader, epochs=3, verbose=0).history)
+            return model.get_weights(), logs, loader.stats()
+
+    plain_w, plain_logs, plain_stats = train(False)
+    w, logs, stats = train(True)
+    assert logs == plain_logs and all(np.array_equal(a, b) for a, b in zip(w, plain_w))
+    assert stats["passes"] == plain_stats["passes"] and stats["ahead"]["kept"] >= 3

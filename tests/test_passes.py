@@ -417,3 +417,21 @@ def test_random_augmentation_does_not_depend_on_the_worker_count(no_leaks):
     resumed, _ = draws(3, restore=state)
     assert all(np.array_equal(a, b) for a, b in zip(resumed[:2], one[4:]))
     assert not np.array_equal(one[0], draws(1)[0][1])  # batches differ from each other
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_evaluate_with_steps_under_a_strategy_evaluates_the_first_batches(run, no_leaks):
+    # Keras < 3.7 builds the model (a probe) from the very epoch iterator it then
+    # evaluates with; that iterator's stream ended with the probe, so evaluate got only
+    # what tf.data had prefetched (2 or 3 batches, by timing). Three runs: not by chance.
+    keras.utils.set_random_seed(run)
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "Your input ran out of data"
+        with kpipe.ProcessLoader(ReplacingIds(12), workers=2) as loader:
+            got = model.evaluate(loader, steps=3, verbose=0)
+    xs, ys = zip(*(ReplacingIds(12)[i] for i in range(3)))  # the first pass's first three batches
+    want = model.evaluate(np.concatenate(xs), np.concatenate(ys), batch_size=2, verbose=0)
+    assert got == pytest.approx(want, rel=1e-5)
