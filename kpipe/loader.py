@@ -213,7 +213,6 @@ class ProcessLoader(keras.utils.PyDataset):
                 off = "batches load in this process (workers=0 or use_threads=True): only worker processes load ahead"
             self._ahead_stats = {"kept": 0, "missed": 0, "skipped": 0, "off": off, "last_reason": None}
         self._ahead_tried = None  # the pass whose end was last tried
-        self._dumped = None  # the dataset pickled by _keep_ahead, for reset_target
         self._ahead_fails = 0  # misses and skips in a row
         if _overrides(dataset, "on_epoch_begin"):
             dataset.on_epoch_begin()  # pass 0 begins now, before the dataset goes to workers
@@ -745,18 +744,17 @@ class ProcessLoader(keras.utils.PyDataset):
                 self._deferred = exc
             else:
                 try:
-                    if not self._keep_ahead(n):
+                    kept, dumped = self._keep_ahead(n)
+                    if not kept:
                         for k in list(self._queue):
                             self._drop(k)
                         if self._backend is not None:
-                            self._backend.reset_target(self.dataset, dumped=self._dumped)
+                            self._backend.reset_target(self.dataset, dumped=dumped)
                 except BaseException as exc:
                     if isinstance(self._backend, ProcessBackend) and not self._backend.closed:
                         self._backend.close(force=True)  # its workers' state is unknown: the next read starts a new pool
                     self._after_failure()
                     self._deferred = exc
-                finally:
-                    self._dumped = None
         self._dataset_lengths[head[0]] = n
         self._cursor.set_length(head[0], self._planner.length(n))
         self._fill_after_read()
@@ -851,26 +849,24 @@ class ProcessLoader(keras.utils.PyDataset):
 
     def _keep_ahead(self, n):
         """At a pass end, after the real hooks: whether the batches loaded ahead stand
-        (the dataset pickles to the copy's bytes). Either way the workers end up with
-        the dataset's state; returns False if the caller must still send it (with the
-        pickle made here, in `_dumped`)."""
+        (the dataset pickles to the copy's bytes). Returns `(kept, dumped)`: if not
+        kept, the caller sends the workers the dataset's state -- `dumped`, the pickle
+        made here, or None (not pickled yet)."""
         ahead, self._ahead = self._ahead, None
-        self._dumped = None
         backend = self._backend
         if ahead is None or ahead.pass_ != self._cursor.head[0] or backend is None or backend.closed:
-            return False
+            return False, None
         payload, keys, rewrote = backend.dump(self.dataset)
         if payload == ahead.payload and keys == ahead.keys and not rewrote and n == ahead.num_batches:
             self._ahead_stats["kept"] += 1
             self._ahead_fails = 0
-            return True
+            return True, None
         why = ("on_epoch_end edited a shared array in place" if rewrote else
                f"the length became {n}, not {ahead.num_batches}" if n != ahead.num_batches else
                "the dataset's state after on_epoch_end differs from the copy's")
         self._ahead_failed("missed", why)
         self._dataset_lengths.pop(ahead.pass_, None)
-        self._dumped = (payload, keys)
-        return False
+        return False, (payload, keys)
 
     def _ahead_failed(self, kind, reason):
         stats = self._ahead_stats
