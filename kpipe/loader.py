@@ -830,14 +830,14 @@ class ProcessLoader(keras.utils.PyDataset):
             out, out_keys, n = _ahead.run_hook_on_copy(
                 payload, backend.shared, call_hooks=_call_hooks, num_batches=_num_batches, what=f"`{self._name}`",
             )
-            if out_keys != sorted(keys):
+            if out_keys != keys:  # (both sorted)
                 raise _ahead.NotAhead("on_epoch_end drops a shared array")
             if n is None:
                 raise _ahead.NotAhead("the dataset becomes infinite")
         except _ahead.NotAhead as exc:
             self._ahead_failed("skipped", str(exc))
             return False
-        self._ahead = _ahead.Ahead(pass_ + 1, out, out_keys, n, payload, sorted(keys))
+        self._ahead = _ahead.Ahead(pass_ + 1, out, out_keys, n, payload, keys)
         self._dataset_lengths[pass_ + 1] = n
         self._cursor.set_length(pass_ + 1, self._planner.length(n))
         try:
@@ -865,8 +865,7 @@ class ProcessLoader(keras.utils.PyDataset):
                f"the length became {n}, not {ahead.num_batches}" if n != ahead.num_batches else
                "the dataset's state after on_epoch_end differs from the copy's")
         self._ahead_failed("missed", why)
-        self._dataset_lengths.pop(ahead.pass_, None)
-        return False, (payload, keys)
+        return False, (payload, keys)  # (the caller records the pass's real length)
 
     def _ahead_failed(self, kind, reason):
         stats = self._ahead_stats

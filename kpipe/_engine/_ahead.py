@@ -5,8 +5,9 @@ NOTE [ The next pass, ahead of the hook ]
 A dataset with `on_epoch_end` (a reshuffle, a new epoch counter) makes every pass wait at
 its end: the next pass may depend on what the hook does, so plain Keras -- and kpipe by
 default -- load nothing of it until the last batch is out and the hook has run. With
-16 batches per pass and 2 workers, that barrier alone leaves ~0.88x of what bare
-processes reach (`python scripts/bench_loaders.py --workloads b`, "ceiling-passes").
+16 batches per pass and 2 workers, that barrier alone leaves 0.88-0.98x of what bare
+processes reach (`python scripts/bench_loaders.py --workloads b`, "ceiling-passes", over
+three runs on a 2-core VM).
 
 With `ProcessLoader(..., epoch_end_ahead=True)`, once the last batch of pass p is sent
 to the workers the loader

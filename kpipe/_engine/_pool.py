@@ -681,15 +681,11 @@ class ProcessBackend:
         """
         self._check_open()
         deadline = _wire.deadline_after(self.timeout)
-        for p in self._active:
-            if p.dead_error is not None:
-                self._fail(p.dead_error)
+        self._raise_if_a_worker_died()
         payload, keys = (dumped[0], dumped[1]) if dumped is not None else self.dump(target)[:2]
         self._send_state_to_all(payload, keys, deadline)
         while any(p.pending for p in self._active):
-            dead = next((p for p in self._active if p.dead_error is not None), None)
-            if dead is not None:
-                self._fail(dead.dead_error)
+            self._raise_if_a_worker_died()
             remaining = _wire.remaining(deadline)
             if remaining is not None and remaining <= 0:
                 slow = [p for p in self._active if "state" in p.pending]
@@ -707,7 +703,7 @@ class ProcessBackend:
         return payload, sorted(keys), self._shared.rewrites != rewrites
 
     def current_state(self):
-        """`(payload, keys)` the workers hold now (with `keep_payload=True`)."""
+        """`(payload, keys)` the workers hold now (with `keep_payload=True`; keys sorted)."""
         return self._payload, list(self._keys)
 
     @property
@@ -721,10 +717,13 @@ class ProcessBackend:
         self._check_open()
         if sorted(keys) != self._keys:
             raise ValueError(f"send_state takes the shared arrays the workers hold ({self._keys}); received {sorted(keys)}")
+        self._raise_if_a_worker_died()
+        self._send_state_to_all(payload, keys, _wire.deadline_after(self.timeout))
+
+    def _raise_if_a_worker_died(self):
         for p in self._active:
             if p.dead_error is not None:
                 self._fail(p.dead_error)
-        self._send_state_to_all(payload, keys, _wire.deadline_after(self.timeout))
 
     def _send_state_to_all(self, payload, keys, deadline):
         self._payload, self._keys, self._reset_since_fork = payload, sorted(keys), True
