@@ -4,6 +4,10 @@ before the real one runs, and every batch is the one the loader gives without it
 import logging
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -162,7 +166,9 @@ def test_the_option_is_checked_and_says_when_it_does_nothing(no_leaks):
 
 @pytest.mark.slow
 def test_fit_trains_as_without_the_option(no_leaks):
-    # (the loader without the option against plain Keras: tests/test_passes.py)
+    # (the loader without the option against plain Keras: tests/test_passes.py. Plain
+    # Keras >= 3.7 also runs on_epoch_end once before epoch 0, from EpochIterator.reset;
+    # kpipe forwards no Keras epoch end, so a reshuffling dataset's first order differs.)
     import keras
 
     from _keras_datasets import ReplacingIds
@@ -302,3 +308,103 @@ def test_keras_probes_a_dropped_evaluate_and_shards_around_the_copy_train_as_wit
     w, logs, stats = train(True)
     assert logs == plain_logs and all(np.array_equal(a, b) for a, b in zip(w, plain_w))
     assert stats["passes"] == plain_stats["passes"] and stats["ahead"]["kept"] >= 3
+
+
+def test_loaders_dropped_unclosed_while_a_pass_loads_ahead_leave_nothing(no_leaks):
+    # A notebook cell re-run three times: the name is rebound, nothing is closed, and the
+    # batches the cell kept are still referenced while the workers load the next pass.
+    import gc
+
+    from conftest import kpipe_children, live_pids, memfd_count
+
+    with kpipe.ProcessLoader(Reshuffles(n=6, big=True), workers=2, seed=6) as plain:
+        want = _read(plain, 2) + [plain[i].tolist() for i in range(4)]
+    fds0, held, pids = memfd_count(), [], []
+    loader = None
+    for _ in range(3):
+        loader = kpipe.ProcessLoader(Reshuffles(n=6, big=True), workers=2, seed=6, epoch_end_ahead=True)
+        batches = [loader[i] for _ in range(2) for i in range(len(loader))] + [loader[i] for i in range(4)]
+        # passes 1 and 2 were loaded ahead; pass 2 is all sent, so pass 3's state is out
+        assert loader._ahead is not None and loader.stats()["ahead"]["kept"] == 2
+        held.append(batches)
+        pids += loader.stats()["pids"]
+    del loader, batches
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while live_pids(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_pids(pids) == [] and not [p for p in kpipe_children() if p.pid in pids]
+    for batches in held:  # the slots they alias outlive their loader
+        assert [b.tolist() for b in batches] == want
+    del held
+    gc.collect()
+    assert memfd_count() <= fds0
+
+
+_AHEAD_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises even if started with SIGINT ignored
+    sys.path.insert(0, {tests!r})
+    import kpipe
+    from _ahead_datasets import Reshuffles
+
+    if __name__ == '__main__':
+        loader = kpipe.ProcessLoader(Reshuffles(n=6, big=True, sleep_s=0.02), workers=2, epoch_end_ahead=True)
+        print('PIDS', *loader.stats()['pids'], flush=True)
+        for _ in range(2):
+            for i in range(len(loader)):
+                loader[i]
+        for i in range(4):  # (max_queue_size 4): all of pass 2 is sent, then pass 3's state
+            loader[i]
+        assert loader._ahead is not None and loader.stats()['ahead']['kept'] == 2
+        print('AHEAD', flush=True)
+        if sys.argv[1] == 'exit':
+            sys.exit(0)  # no close(), a pass loading ahead: interpreter exit must stop the workers
+        while True:  # killed or interrupted while passes load ahead
+            for i in range(len(loader)):
+                loader[i]
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigint", "sigkill"])
+def test_the_main_process_ending_while_a_pass_loads_ahead_leaves_no_worker_or_segment(tmp_path, how):
+    from conftest import live_pids, shm_entries
+
+    script = tmp_path / "ahead_main.py"
+    script.write_text(_AHEAD_SCRIPT.format(tests=os.path.dirname(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__))))
+    shm0 = shm_entries()
+    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("AHEAD"):
+                break
+        assert lines and lines[-1].startswith("AHEAD"), "".join(lines) + proc.stderr.read()
+        pids = [int(p) for p in lines[0].split()[1:]]
+        assert len(pids) == 2
+        if how == "sigint":
+            time.sleep(0.3)  # in the endless loop, at a pass end or loading
+            proc.send_signal(signal.SIGINT)
+        elif how == "sigkill":
+            time.sleep(0.3)
+            proc.kill()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    if how == "exit":
+        assert proc.returncode == 0, err
+    elif how == "sigint":
+        assert proc.returncode != 0 and "KeyboardInterrupt" in err, err
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 15
+    while live_pids(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_pids(pids) == []
+    assert shm_entries() - shm0 == set()

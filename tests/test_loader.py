@@ -176,6 +176,33 @@ def test_big_arrays_are_shared_once_not_pickled(no_leaks):
             assert total == float(ds.data.sum())
 
 
+def test_modules_under_a_site_packages_folder_added_to_sys_path_are_libraries(tmp_path, monkeypatch):
+    # A user module that imports Keras is pickled by value (its workers then need no
+    # TensorFlow); a library's is not. The library folders are cached per sys.path.
+    import sys
+
+    from kpipe._engine import _pickling
+
+    source = "import keras\n\nclass Data(keras.utils.PyDataset):\n    def __len__(self):\n        return 1\n"
+    for folder, name in (("mine", "kpipe_test_user_mod"), ("site-packages", "kpipe_test_lib_mod")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"{name}.py").write_text(source)
+    try:
+        monkeypatch.syspath_prepend(str(tmp_path / "mine"))
+        import kpipe_test_user_mod as user
+
+        assert _pickling._by_value_modules(user.Data()) == [user]
+        assert _pickling._by_value_modules(user.Data()) == [user]  # (cached)
+        monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+        import kpipe_test_lib_mod as lib
+
+        assert _pickling._by_value_modules(lib.Data()) == []
+        assert _pickling._by_value_modules(user.Data()) == [user]
+    finally:
+        for name in ("kpipe_test_user_mod", "kpipe_test_lib_mod"):
+            sys.modules.pop(name, None)
+
+
 def test_infinite_dataset_with_steps(no_leaks):
     with kpipe.ProcessLoader(Infinite(), workers=2) as loader:
         assert loader.num_batches is None

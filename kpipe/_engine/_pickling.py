@@ -104,13 +104,21 @@ class SharedArrays:
         self._by_id.clear()
 
 
+# Types whose objects are never shared arrays nor h5py objects: most of what a pickle holds
+# (a class pickled by value is ~600 of them), answered by one set lookup.
+_PLAIN_TYPES = frozenset({str, bytes, int, float, bool, type(None), tuple, list, dict, set, frozenset,
+                          type, types.FunctionType, types.CodeType, types.CellType})
+
+
 class _Pickler(cloudpickle.Pickler):
     def __init__(self, file, shared, used):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._shared = shared
         self._used = used
 
-    def persistent_id(self, obj):
+    def persistent_id(self, obj):  # called for every object pickled
+        if type(obj) in _PLAIN_TYPES:
+            return None
         if type(obj) is np.ndarray:
             if self._shared is not None and obj.nbytes >= SHARE_MIN_BYTES and obj.dtype.kind in _OK_KINDS:
                 key, _ = self._shared.put(obj)
@@ -132,11 +140,21 @@ class _Unshareable(Exception):
 _HEAVY_MODULES = ("keras", "tensorflow", "tf_keras", "jax", "torch")
 
 
-def _library_dirs():
-    paths = sysconfig.get_paths()
-    dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    dirs.update(p for p in sys.path if p and os.path.basename(p) in ("site-packages", "dist-packages"))
-    return tuple(os.path.realpath(d) + os.sep for d in dirs if d)
+_PATHS = (None, (), {})  # (the sys.path they were found for, library folders, {file: realpath})
+
+
+def _library_paths():
+    """The stdlib and site-packages folders, and a cache of module files' real paths,
+    found again whenever `sys.path` changes. Resolving them stats every path component
+    (~0.3 ms), and a stateful dataset is pickled again after every pass end."""
+    global _PATHS
+    key = tuple(sys.path)
+    if _PATHS[0] != key:
+        paths = sysconfig.get_paths()
+        dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+        dirs.update(p for p in key if p and os.path.basename(p) in ("site-packages", "dist-packages"))
+        _PATHS = (key, tuple(os.path.realpath(d) + os.sep for d in dirs if d), {})
+    return _PATHS[1], _PATHS[2]
 
 
 def _imports_heavy(module):
@@ -150,13 +168,18 @@ def _imports_heavy(module):
 def _by_value_modules(obj):
     """User modules (not stdlib/site-packages) defining `obj`'s classes that import Keras/TF."""
     out = []
-    libs = _library_dirs()
+    libs, real = _library_paths()
     for cls in type(obj).__mro__:
         module = sys.modules.get(cls.__module__)
         path = getattr(module, "__file__", None)
         if module is None or not path or cls.__module__ == "__main__" or module in out:
             continue
-        if os.path.realpath(path).startswith(libs) or cls.__module__.split(".")[0] in _HEAVY_MODULES + ("kpipe",):
+        if cls.__module__.split(".")[0] in _HEAVY_MODULES + ("kpipe",):
+            continue
+        resolved = real.get(path)
+        if resolved is None:
+            resolved = real[path] = os.path.realpath(path)
+        if resolved.startswith(libs):
             continue
         if _imports_heavy(module):
             out.append(module)
