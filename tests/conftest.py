@@ -1,5 +1,6 @@
 import gc
 import os
+import time
 
 import psutil
 import pytest
@@ -31,6 +32,16 @@ def live_pids(pids):
         if _alive(process):
             out.append(pid)
     return out
+
+
+def gone(pids, within_s=10.0):
+    """Whether every process in `pids` has ended (exited or a zombie) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while live_pids(pids):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def memfd_count():

@@ -315,7 +315,7 @@ def test_loaders_dropped_unclosed_while_a_pass_loads_ahead_leave_nothing(no_leak
     # batches the cell kept are still referenced while the workers load the next pass.
     import gc
 
-    from conftest import kpipe_children, live_pids, memfd_count
+    from conftest import gone, kpipe_children, memfd_count
 
     with kpipe.ProcessLoader(Reshuffles(n=6, big=True), workers=2, seed=6) as plain:
         want = _read(plain, 2) + [plain[i].tolist() for i in range(4)]
@@ -330,10 +330,7 @@ def test_loaders_dropped_unclosed_while_a_pass_loads_ahead_leave_nothing(no_leak
         pids += loader.stats()["pids"]
     del loader, batches
     gc.collect()
-    deadline = time.monotonic() + 15
-    while live_pids(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert live_pids(pids) == [] and not [p for p in kpipe_children() if p.pid in pids]
+    assert gone(pids, within_s=15) and not [p for p in kpipe_children() if p.pid in pids]
     assert all([b.tolist() for b in kept] == want for kept in held)  # their slots outlive the loaders
     assert _slot_mappings() > maps0
     del held
@@ -377,7 +374,7 @@ _AHEAD_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("how", ["exit", "sigint", "sigkill"])
 def test_the_main_process_ending_while_a_pass_loads_ahead_leaves_no_worker_or_segment(tmp_path, how):
-    from conftest import live_pids, shm_entries
+    from conftest import gone, shm_entries
 
     script = tmp_path / "ahead_main.py"
     script.write_text(_AHEAD_SCRIPT.format(tests=os.path.dirname(__file__)))
@@ -410,8 +407,5 @@ def test_the_main_process_ending_while_a_pass_loads_ahead_leaves_no_worker_or_se
         assert proc.returncode != 0 and "KeyboardInterrupt" in err, err
     else:
         assert proc.returncode == -signal.SIGKILL
-    deadline = time.monotonic() + 15
-    while live_pids(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert live_pids(pids) == []
+    assert gone(pids, within_s=15)
     assert shm_entries() - shm0 == set()

@@ -15,7 +15,7 @@ import pytest
 
 import kpipe
 from _datasets import EagerH5, Failing, LazyH5, Locked, Squares
-from conftest import kpipe_children, live_pids, memfd_count, shm_entries
+from conftest import gone, kpipe_children, live_pids, memfd_count, shm_entries
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -255,16 +255,6 @@ def _run_script(tmp_path, mode):
     return subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _gone(pids, within_s=10.0):
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        alive = live_pids(pids)
-        if not alive:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_main_module_class_under_spawn_and_interpreter_exit(tmp_path):
     proc = _run_script(tmp_path, "exit")
     with _killed_at_exit(proc):
@@ -272,7 +262,7 @@ def test_main_module_class_under_spawn_and_interpreter_exit(tmp_path):
     assert proc.returncode == 0, err
     pids = [int(p) for p in out.split("PIDS")[1].split("\n")[0].split()]
     assert "TF_IN_WORKERS False False" in out, out
-    assert _gone(pids)
+    assert gone(pids)
 
 
 def _kill(proc):
@@ -312,7 +302,7 @@ def test_ctrl_c_stops_everything(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
     assert proc.returncode != 0  # KeyboardInterrupt
-    assert _gone(pids)
+    assert gone(pids)
 
 
 def test_main_process_killed_leaves_no_worker(tmp_path):
@@ -320,7 +310,7 @@ def test_main_process_killed_leaves_no_worker(tmp_path):
     with _killed_at_exit(proc):
         proc.kill()
         proc.communicate(timeout=60)
-    assert _gone(pids, within_s=15.0)
+    assert gone(pids, within_s=15.0)
 
 
 def test_fork_start_method_without_tensorflow(tmp_path):
@@ -398,7 +388,7 @@ def test_worker_dead_between_batches_makes_on_epoch_end_raise_worker_died(start_
             loader[i]
         victim = loader.stats()["pids"][1]
         os.kill(victim, signal.SIGKILL)
-        assert _gone([victim])
+        assert gone([victim])
         with pytest.raises(kpipe.WorkerDiedError, match=rf"Worker 1 \(pid {victim}\) while (idle|loading batch \d).*of `Replacing`.*SIGKILL"):
             loader.on_epoch_end()  # ends the pass: the new state goes to the workers
         assert int(loader[0][1][0]) == 1  # new workers, with the new epoch's state
