@@ -1,3 +1,4 @@
+import contextlib
 import gc
 import os
 import time
@@ -42,6 +43,23 @@ def gone(pids, within_s=10.0):
             return False
         time.sleep(0.1)
     return True
+
+
+def kill_and_reap(proc):
+    """SIGKILLs a `subprocess.Popen` that still runs, and reaps it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+@contextlib.contextmanager
+def killed_at_exit(proc):
+    """Kills and reaps a test's script process (and so its workers) however the test ends:
+    a script that ignored its signal must not loop on after a failed test."""
+    try:
+        yield proc
+    finally:
+        kill_and_reap(proc)
 
 
 def memfd_count():

@@ -374,14 +374,14 @@ _AHEAD_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("how", ["exit", "sigint", "sigkill"])
 def test_the_main_process_ending_while_a_pass_loads_ahead_leaves_no_worker_or_segment(tmp_path, how):
-    from conftest import gone, shm_entries
+    from conftest import gone, killed_at_exit, shm_entries
 
     script = tmp_path / "ahead_main.py"
     script.write_text(_AHEAD_SCRIPT.format(tests=os.path.dirname(__file__)))
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__))))
     shm0 = shm_entries()
     proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
+    with killed_at_exit(proc):
         lines = []
         for line in proc.stdout:
             lines.append(line)
@@ -397,10 +397,6 @@ def test_the_main_process_ending_while_a_pass_loads_ahead_leaves_no_worker_or_se
             time.sleep(0.3)
             proc.kill()
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
     if how == "exit":
         assert proc.returncode == 0, err
     elif how == "sigint":

@@ -1,6 +1,5 @@
 """ProcessLoader failure modes: each raises clearly, nothing hangs, nothing leaks."""
 
-import contextlib
 import gc
 import os
 import re
@@ -15,7 +14,7 @@ import pytest
 
 import kpipe
 from _datasets import EagerH5, Failing, LazyH5, Locked, Squares
-from conftest import gone, kpipe_children, live_pids, memfd_count, shm_entries
+from conftest import gone, kill_and_reap, killed_at_exit, kpipe_children, live_pids, memfd_count, shm_entries
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -257,28 +256,12 @@ def _run_script(tmp_path, mode):
 
 def test_main_module_class_under_spawn_and_interpreter_exit(tmp_path):
     proc = _run_script(tmp_path, "exit")
-    with _killed_at_exit(proc):
+    with killed_at_exit(proc):
         out, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err
     pids = [int(p) for p in out.split("PIDS")[1].split("\n")[0].split()]
     assert "TF_IN_WORKERS False False" in out, out
     assert gone(pids)
-
-
-def _kill(proc):
-    if proc.poll() is None:
-        proc.kill()
-        proc.communicate(timeout=30)
-
-
-@contextlib.contextmanager
-def _killed_at_exit(proc):
-    """Kills and reaps the script's process (and so its workers) however the test ends:
-    a script that ignored its signal must not loop on after a failed test."""
-    try:
-        yield proc
-    finally:
-        _kill(proc)
 
 
 def _start_looping(tmp_path):
@@ -291,14 +274,14 @@ def _start_looping(tmp_path):
             if line.startswith("LOOPING"):
                 break
     except BaseException:
-        _kill(proc)
+        kill_and_reap(proc)
         raise
     return proc, [int(p) for p in "".join(lines).split("PIDS")[1].split("\n")[0].split()]
 
 
 def test_ctrl_c_stops_everything(tmp_path):
     proc, pids = _start_looping(tmp_path)
-    with _killed_at_exit(proc):
+    with killed_at_exit(proc):
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
     assert proc.returncode != 0  # KeyboardInterrupt
@@ -307,7 +290,7 @@ def test_ctrl_c_stops_everything(tmp_path):
 
 def test_main_process_killed_leaves_no_worker(tmp_path):
     proc, pids = _start_looping(tmp_path)
-    with _killed_at_exit(proc):
+    with killed_at_exit(proc):
         proc.kill()
         proc.communicate(timeout=60)
     assert gone(pids, within_s=15.0)
