@@ -25,6 +25,8 @@ _DEFAULT_TIMEOUT_S = 120.0
 _UNSET = object()
 _AUTOSCALE_READ_S = 0.02  # workers="auto": counters are read at most this often
 _AUTO_DECISIONS_KEPT = 100
+# _maybe_suggest_ahead logs once pass-start waits reach this share of the time since the first batch.
+_SUGGEST_AHEAD_SHARE = 0.05
 logger = logging.getLogger("kpipe")
 
 
@@ -246,8 +248,10 @@ class ProcessLoader(keras.utils.PyDataset):
         self._releases_seen = 0  # slot releases when it began to wait
         self._stats = {
             "batches": 0, "samples": 0, "bytes": 0, "last_batch_bytes": 0, "wait_s": 0.0,
-            "first_batch_s": None, "restarts": 0, "loads": 0, "discards": 0, "passes": 0,
+            "pass_start_wait_s": 0.0, "first_batch_s": None, "restarts": 0, "loads": 0, "discards": 0, "passes": 0,
         }
+        self._ahead_suggested = False  # the INFO line of _maybe_suggest_ahead, once
+        self._completed_before = None  # the pass that follows the last one completed here
         self._auto_decisions = collections.deque(maxlen=_AUTO_DECISIONS_KEPT)
         self._autoscale_next = 0.0
         self._t_created = time.perf_counter()
@@ -356,7 +360,10 @@ class ProcessLoader(keras.utils.PyDataset):
         """Counters since construction: `batches` (handed out), `samples`, `bytes`,
         `loads` (batches loaded by workers), `discards` (loaded or requested, then
         dropped unused), `passes` (passes completed), `wait_s` (time the consumer
-        blocked waiting for workers), `first_batch_s` (construction to first batch),
+        blocked waiting for workers), `pass_start_wait_s` (of that, the waits for the
+        first batch of a pass after one this loader completed: for a dataset with
+        `on_epoch_end`, what the wait at each pass end costs the consumer -- see
+        `epoch_end_ahead`), `first_batch_s` (construction to first batch),
         `restarts`, `workers` (now), `pids`, `queue_depth` (batches the loader now keeps
         in flight, at most `max_queue_size`), and with `workers="auto"`: `cpu_limit`,
         `max_workers` and `auto_decisions` (the last 100 changes of the worker count,
@@ -599,7 +606,10 @@ class ProcessLoader(keras.utils.PyDataset):
             self._after_failure()
             raise
         finally:
-            self._stats["wait_s"] += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self._stats["wait_s"] += waited
+            if key[1] == 0 and key[0] == self._completed_before:  # the start of the pass after one completed here
+                self._stats["pass_start_wait_s"] += waited
         entry.seq = None
         try:
             self._checker.check(entry.index, treedef, meta)
@@ -727,7 +737,9 @@ class ProcessLoader(keras.utils.PyDataset):
         new length is read and its new state reaches the workers before the next pass
         loads. An error is raised at the next read (this batch is already out)."""
         self._stats["passes"] += 1
+        self._maybe_suggest_ahead()
         head = self._cursor.head
+        self._completed_before = head[0]
         for k in [k for k in self._queue if k < head]:
             self._drop(k)
         n = self._dataset_length(head[0] - 1)  # the pass that ended (one loaded ahead is newer)
@@ -759,7 +771,26 @@ class ProcessLoader(keras.utils.PyDataset):
         self._cursor.set_length(head[0], self._planner.length(n))
         self._fill_after_read()
 
+    def _maybe_suggest_ahead(self):
+        """Once per loader, at INFO: the consumer spent a noticeable share of its time
+        waiting at the starts of passes that the dataset's own hook held back."""
+        st = self._stats
+        if not self._stateful or self._ahead_stats is not None or self._ahead_suggested or st["passes"] < 3:
+            return
+        if st["first_batch_s"] is None or not isinstance(self._backend, ProcessBackend):  # the option needs processes
+            return
+        since_first = time.perf_counter() - self._t_created - st["first_batch_s"]
+        if since_first > 0 and st["pass_start_wait_s"] >= _SUGGEST_AHEAD_SHARE * since_first:
+            self._ahead_suggested = True
+            logger.info(
+                "ProcessLoader(%s): the consumer waited %.2f s for the first batches of passes (%.0f%% of the %.1f s "
+                "since the first batch; stats()['pass_start_wait_s']): the dataset's on_epoch_end makes each pass wait "
+                "for the previous one's last batch. If the hook changes nothing but the dataset (a reshuffle, an epoch "
+                "counter), epoch_end_ahead=True loads the next pass while this one ends.",
+                self._name, st["pass_start_wait_s"], 100 * st["pass_start_wait_s"] / since_first, since_first)
+
     def _jump(self, pass_, position, num_batches):
+        self._completed_before = None  # the next pass start is a (re)start, not a pass end
         self._cancel_ahead()
         self._ahead_tried = None
         for k in list(self._queue):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kpipe
-from _ahead_datasets import EXTERNAL, EditsInPlace, Grows, ReadsOutside, ReplacesArray, Reshuffles
+from _ahead_datasets import EXTERNAL, EditsInPlace, Grows, NoHook, ReadsOutside, ReplacesArray, Reshuffles
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -88,6 +88,51 @@ def test_a_hook_reading_outside_the_dataset_misses_reloads_and_then_stops_trying
     assert "2 passes in a row" in a["off"]
     assert stats["discards"] > 0
     assert any("no longer loading ahead" in r.getMessage() for r in caplog.records)
+
+
+_SUGGESTION = "epoch_end_ahead=True loads the next pass"
+
+
+def test_pass_start_waits_show_the_pass_end_wait_and_the_log_suggests_the_option_once(caplog, no_leaks):
+    caplog.set_level(logging.INFO, logger="kpipe")
+    with kpipe.ProcessLoader(Reshuffles(n=4, sleep_s=0.2), workers=2) as loader:
+        _read(loader, 1)
+        assert loader.stats()["pass_start_wait_s"] == 0.0  # the first pass's start is the start-up
+        _read(loader, 4)
+        stats = loader.stats()
+    # 4 pass starts after a completed pass: each first batch was sent only after the hook
+    # ran at the end of the pass before, and it sleeps 0.2 s in the worker
+    assert 4 * 0.2 * 0.9 <= stats["pass_start_wait_s"] <= stats["wait_s"]
+    hints = [r.getMessage() for r in caplog.records if _SUGGESTION in r.getMessage()]
+    assert len(hints) == 1 and hints[0].startswith("ProcessLoader(Reshuffles): the consumer waited")
+
+
+@pytest.mark.parametrize("case", ["option", "no hook", "threads"])
+def test_no_suggestion_where_the_option_is_on_has_nothing_to_do_or_cannot_work(case, caplog, no_leaks):
+    caplog.set_level(logging.INFO, logger="kpipe")
+    make = (lambda: NoHook(n=4, sleep_s=0.1)) if case == "no hook" else (lambda: Reshuffles(n=4, sleep_s=0.1))
+    kw = {"epoch_end_ahead": True} if case == "option" else {"use_threads": True} if case == "threads" else {}
+    with kpipe.ProcessLoader(make(), workers=2, **kw) as loader:
+        _read(loader, 5)
+        stats = loader.stats()
+    assert 0.0 <= stats["pass_start_wait_s"] <= stats["wait_s"]
+    assert not [r for r in caplog.records if _SUGGESTION in r.getMessage()]
+
+
+def test_the_first_pass_after_a_restore_or_jump_is_not_a_pass_start_wait(no_leaks):
+    with kpipe.ProcessLoader(Reshuffles(n=3, sleep_s=0.1), workers=2, seed=0) as loader:
+        _read(loader, 1)
+        state = loader.state()  # the start of pass 1
+        loader[0]
+        waited = loader.stats()["pass_start_wait_s"]
+        assert waited > 0.0  # pass 1's first batch waited for the hook of pass 0
+        loader.restore(state)  # back to that pass start: a jump, its queue dropped
+        loader[0]
+        assert loader.stats()["pass_start_wait_s"] == waited
+    with kpipe.ProcessLoader(Reshuffles(n=3, sleep_s=0.1), workers=2, seed=0) as loader:
+        loader.restore(state)
+        loader[0]
+        assert loader.stats()["pass_start_wait_s"] == 0.0  # a restored loader's start-up
 
 
 @pytest.mark.parametrize("make, why", [(EditsInPlace, "edits a shared array in place"),
