@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import kpipe
-from _ahead_datasets import EXTERNAL, EditsInPlace, Grows, NoHook, ReadsOutside, ReplacesArray, Reshuffles
+from _ahead_datasets import EXTERNAL, EditsInPlace, Grows, ReadsOutside, ReplacesArray, Reshuffles
+from _datasets import Stalls
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -110,7 +111,7 @@ def test_pass_start_waits_show_the_pass_end_wait_and_the_log_suggests_the_option
 @pytest.mark.parametrize("case", ["option", "no hook", "threads"])
 def test_no_suggestion_where_the_option_is_on_has_nothing_to_do_or_cannot_work(case, caplog, no_leaks):
     caplog.set_level(logging.INFO, logger="kpipe")
-    make = (lambda: NoHook(n=4, sleep_s=0.1)) if case == "no hook" else (lambda: Reshuffles(n=4, sleep_s=0.1))
+    make = (lambda: Stalls(n=4, every=1, stall_s=0.1)) if case == "no hook" else (lambda: Reshuffles(n=4, sleep_s=0.1))
     kw = {"epoch_end_ahead": True} if case == "option" else {"use_threads": True} if case == "threads" else {}
     with kpipe.ProcessLoader(make(), workers=2, **kw) as loader:
         _read(loader, 5)
