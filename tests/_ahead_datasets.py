@@ -97,15 +97,3 @@ class FailsWhenTold(Reshuffles):
         super().on_epoch_end()
         if EXTERNAL.get("fail"):
             raise RuntimeError("on_epoch_end failed as told")
-
-
-class NoHook:
-    """Reshuffles' batches without epoch hooks: nothing holds a pass back."""
-
-    __len__ = Reshuffles.__len__
-    __getitem__ = Reshuffles.__getitem__
-    scale = Reshuffles.scale
-
-    def __init__(self, n=10, per=4, sleep_s=0.0):
-        self.n, self.per, self.sleep_s, self.epoch, self.big = n, per, sleep_s, 0, None
-        self.order = np.arange(n * per)
