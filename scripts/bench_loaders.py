@@ -44,7 +44,21 @@ one buffer before timing starts).
 Every loader runs `--repeats` times, in
 rounds; its best throughput is reported (this 2-core VM's speed drifts by +-20% from
 minute to minute; interference only ever slows a run). Peak RSS is summed over the
-process tree (shared pages count once per process that maps them).
+process tree (shared pages count once per process that maps them). Because a best run
+and a best ceiling run may come from different minutes, each row also shows "paired":
+the median over rounds of its run divided by the ceiling run of the same round.
+
+Why a run is where it is: for kpipe and the ceilings, the benchmark also records where
+all CPUs' time went while the run was timed -- to the loader's workers, to the consuming
+process, idle, or stolen by the hypervisor (/proc/stat) -- and the workers' CPU time per
+sample. samples/s is the workers' share of the CPUs divided by their CPU per sample, so
+"x ceiling" splits into `capacity` (the workers' share against the ceiling's: what the
+consumer, pass-end waits and steal take) times `cost` (the ceiling's CPU per sample
+against the workers': what the work costs more in them -- one-time slot set-up within
+the timed window, caches shared with the consumer). The workers' CPU counts from the
+first batch (the batches in flight then were partly made before it) to the last one
+taken (a pass loaded ahead of it counts, its samples do not); both are a few batches in
+hundreds.
 
 Before each run (the ceiling's too) the benchmark writes and frees `--warm-mb` MB of
 memory. A virtual machine that reports free memory to its host (virtio-balloon free
@@ -235,9 +249,10 @@ class PeakRSS:
         self._thread.join()
 
 
-def consume(iterator, counts):
+def consume(iterator, counts, on_first=None):
     """Receives every batch and reads one value per 4 KiB page of it, so that every loader
-    pays for making its memory visible here (page faults on shared memory included)."""
+    pays for making its memory visible here (page faults on shared memory included).
+    `on_first()` is called as the first batch arrives."""
     for batch in iterator:
         for leaf in (batch[0], batch[1]):
             flat = leaf.reshape(-1)
@@ -247,6 +262,69 @@ def consume(iterator, counts):
         if counts[2] is None:  # time and size of the first batch
             counts[2] = time.perf_counter()
             counts[3] = len(batch[0])
+            if on_first is not None:
+                on_first()
+
+
+def _proc_stat():
+    """`(idle, steal, total)` ticks of all CPUs so far (/proc/stat; idle counts iowait),
+    or None where there is no such file."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    ticks += [0] * (8 - len(ticks))
+    return ticks[3] + ticks[4], ticks[7], sum(ticks)
+
+
+class CpuWindow:
+    """Where the machine's CPU time went while a loader was timed: to its worker
+    processes, to this (the consuming) process, left idle, or stolen by the hypervisor.
+
+    A loader's samples/s is the CPU its workers got divided by the CPU they spend per
+    sample, so these shares say why a run is below its ceiling: the consumer's own work,
+    workers waiting (idle), the VM's other tenants (steal) -- or workers that spend
+    more per sample.
+    """
+
+    def __init__(self):
+        self._start = None
+
+    def begin(self, pids=()):
+        self._procs = []
+        for pid in pids:
+            try:
+                proc = psutil.Process(pid)
+                self._procs.append((proc, sum(proc.cpu_times()[:2])))
+            except psutil.Error:
+                pass
+        self._start = (time.process_time(), _proc_stat())
+
+    def end(self, samples):
+        """The shares since `begin` (None if it was not called), for `samples` samples."""
+        if self._start is None:
+            return None
+        workers_s = 0.0
+        for proc, before in self._procs:
+            try:
+                workers_s += sum(proc.cpu_times()[:2]) - before
+            except psutil.Error:
+                pass
+        return cpu_shares(workers_s, time.process_time() - self._start[0], self._start[1], _proc_stat(), samples)
+
+
+def cpu_shares(workers_s, main_s, stat0, stat1, samples):
+    """Shares of the machine's CPU time between two /proc/stat readings: `workers`
+    (`workers_s` CPU seconds), `main` (`main_s`), `idle`, `steal`; and the workers' CPU
+    microseconds per sample."""
+    out = {"worker_us_per_sample": 1e6 * workers_s / samples if samples else None}
+    if stat0 is None or stat1 is None or stat1[2] <= stat0[2]:
+        return out
+    total_s = (stat1[2] - stat0[2]) / os.sysconf("SC_CLK_TCK")
+    out.update(workers=workers_s / total_s, main=main_s / total_s,
+               idle=(stat1[0] - stat0[0]) / (stat1[2] - stat0[2]), steal=(stat1[1] - stat0[1]) / (stat1[2] - stat0[2]))
+    return out
 
 
 def more_epochs(done, epochs, elapsed_s, min_seconds):
@@ -297,18 +375,26 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=
                                  epoch_end_ahead=kind == "kpipe-ahead")
     adapter = PyDatasetAdapter(ds, shuffle=False)
     start = []
-    for _ in _timed_epochs(counts, start, warmup, epochs, min_seconds):
+    # Where the CPU time goes while kpipe is timed (see CpuWindow): from its first batch,
+    # or from the first timed epoch after a warm-up.
+    cpu = CpuWindow() if kind.startswith("kpipe") else None
+    begin = None if cpu is None else (lambda: cpu.begin(ds.stats()["pids"]))
+    for epoch in _timed_epochs(counts, start, warmup, epochs, min_seconds):
+        if warmup and epoch == warmup and begin is not None:
+            begin()
         adapter.on_epoch_begin()
-        consume(adapter.get_numpy_iterator(), counts)
+        consume(adapter.get_numpy_iterator(), counts, on_first=None if warmup else begin)
         adapter.on_epoch_end()
     end = time.perf_counter()
+    timed = counts[1] - (start[0] if warmup else counts[3])
+    shares = None if cpu is None else cpu.end(timed)
     if kind == "kpipe-ahead":
         ahead = ds.stats()["ahead"]
         print(f"    kpipe-ahead: passes loaded ahead of on_epoch_end kept {ahead['kept']}, missed {ahead['missed']}, "
               f"skipped {ahead['skipped']}{'; off: ' + ahead['off'] if ahead['off'] else ''}", flush=True)
     if hasattr(ds, "close"):
         ds.close()
-    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0]
+    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0], shares
 
 
 def run_tfdata(make, epochs, workers, max_queue, warmup=0, min_seconds=0):
@@ -330,7 +416,7 @@ def run_tfdata(make, epochs, workers, max_queue, warmup=0, min_seconds=0):
     start = []
     for _ in _timed_epochs(counts, start, warmup, epochs, min_seconds):
         consume(tfds.as_numpy_iterator(), counts)
-    return _rate(counts, start, time.perf_counter(), warmup), counts[2] - t0, counts[0]
+    return _rate(counts, start, time.perf_counter(), warmup), counts[2] - t0, counts[0], None
 
 
 _CEILING_CHILD = r"""
@@ -352,7 +438,7 @@ def load(i):
 load(w % len(ds))  # warm-up (lazy file opening, the slot's pages), not timed
 print("READY", flush=True)
 sys.stdin.readline()  # all workers start together
-t0 = time.time(); samples = 0; epoch = 0
+t0 = time.time(); c0 = time.process_time(); samples = 0; epoch = 0
 if pass_ends:  # whole passes; at each end all wait for the last, then run the hook
     while True:
         for i in range(w, len(ds), n_workers):
@@ -368,7 +454,7 @@ else:
             if epoch >= epochs and time.time() - t0 >= min_seconds:
                 break
         epoch += 1
-print(samples, t0, time.time(), flush=True)
+print(samples, t0, time.time(), time.process_time() - c0, flush=True)
 """
 
 
@@ -377,7 +463,8 @@ def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False):
     `epochs` epochs and `min_seconds` seconds. With `pass_ends`, they run whole passes
     and, at each pass end, wait until all have finished it and then each run the
     dataset's `on_epoch_end` on its own copy: the barrier a hook of Keras's semantics
-    puts at every pass end (the next pass may depend on it), at no cost of its own."""
+    puts at every pass end (the next pass may depend on it), at no cost of its own.
+    Returns `(samples/s, cpu_shares(...))` (the workers' CPU over their timed work)."""
     import cloudpickle
 
     from kpipe._engine import _pydataset_shim
@@ -406,6 +493,7 @@ def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False):
     ]
     for p in procs:
         assert p.stdout.readline().strip() == "READY"
+    stat0 = _proc_stat()
     for p in procs:
         p.stdin.write("GO\n")
         p.stdin.flush()
@@ -420,15 +508,17 @@ def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False):
             p.stdin.flush()
         if not go:
             break
-    total, starts, ends = 0, [], []
+    total, starts, ends, cpu_s = 0, [], [], 0.0
     for p in procs:
         out, _ = p.communicate(timeout=1800)
-        samples, start, end = out.split()[-3:]
+        samples, start, end, used = out.split()[-4:]
         total += int(samples)
         starts.append(float(start))
         ends.append(float(end))
+        cpu_s += float(used)
+    stat1 = _proc_stat()
     os.unlink(path)
-    return total / (max(ends) - min(starts))
+    return total / (max(ends) - min(starts)), cpu_shares(cpu_s, 0.0, stat0, stat1, total)
 
 
 def warm_memory(mb):
@@ -442,7 +532,12 @@ def warm_memory(mb):
 def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup=0, warm_mb=0, min_seconds=0):
     """Runs every loader (and the ceiling) `repeats` times, in rounds, so that drift in
     the machine's speed spreads over all of them; keeps each one's best throughput (noise
-    only ever slows a run down), the median time to first batch and the highest RSS."""
+    only ever slows a run down), the median time to first batch and the highest RSS.
+
+    Each row also gets `x_ceiling_paired`: the median over rounds of its run divided by
+    the ceiling run of the same round, minutes closer in time than two best runs may be
+    (`x_ceiling` divides the best by the best); and `cpu`, the CPU shares (`CpuWindow`)
+    of its best run, where measured (kpipe and the ceilings)."""
     ceilings, barrier_ceilings = [], []
     has_hook = _has_epoch_hook(make())
     loaders = [k for k in loaders if k != "kpipe-ahead" or has_hook]  # the option is for epoch hooks
@@ -452,21 +547,24 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
             warm_memory(warm_mb)
             with PeakRSS() as rss:
                 if kind == "tf.data":
-                    rate, first_s, batches = run_tfdata(make, epochs, workers, max_queue, warmup, min_seconds)
+                    rate, first_s, batches, cpu = run_tfdata(make, epochs, workers, max_queue, warmup, min_seconds)
                 else:
-                    rate, first_s, batches = run_pydataset(make, kind, epochs, workers, max_queue, warmup, min_seconds)
-            runs[kind].append((rate, first_s, rss.peak / 2**20, batches))
-            print(f"  {workload}: {kind:<14} {runs[kind][-1][0]:10.1f} samples/s", flush=True)
+                    rate, first_s, batches, cpu = run_pydataset(make, kind, epochs, workers, max_queue, warmup, min_seconds)
+            runs[kind].append((rate, first_s, rss.peak / 2**20, batches, cpu))
+            print(f"  {workload}: {kind:<14} {rate:10.1f} samples/s{_cpu_text(cpu)}", flush=True)
         warm_memory(warm_mb)
         ceilings.append(run_ceiling(make, epochs, workers, min_seconds))
-        print(f"  {workload}: {'ceiling':<14} {ceilings[-1]:10.1f} samples/s", flush=True)
+        print(f"  {workload}: {'ceiling':<14} {ceilings[-1][0]:10.1f} samples/s{_cpu_text(ceilings[-1][1])}", flush=True)
         if has_hook:
             warm_memory(warm_mb)
             barrier_ceilings.append(run_ceiling(make, epochs, workers, min_seconds, pass_ends=True))
-            print(f"  {workload}: {'ceiling-passes':<14} {barrier_ceilings[-1]:10.1f} samples/s", flush=True)
+            print(f"  {workload}: {'ceiling-passes':<14} {barrier_ceilings[-1][0]:10.1f} samples/s{_cpu_text(barrier_ceilings[-1][1])}", flush=True)
+    ceiling_runs = [c[0] for c in ceilings]
+    ceiling = max(ceiling_runs)
     rows = []
     for kind in loaders:
         speeds = [r[0] for r in runs[kind]]
+        paired = [rate / c for rate, c in zip(speeds, ceiling_runs)]
         rows.append(
             {
                 "workload": workload,
@@ -477,19 +575,33 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
                 "samples_per_s_runs": speeds,
                 "first_batch_s": statistics.median(r[1] for r in runs[kind]),
                 "peak_rss_mb": max(r[2] for r in runs[kind]),
+                "x_ceiling_rounds": paired,
+                "x_ceiling_paired": statistics.median(paired),
+                "cpu": max(runs[kind], key=lambda r: r[0])[4],
             }
         )
-    ceiling = max(ceilings)
     serial = next((r["samples_per_s"] for r in rows if r["loader"] == "serial"), None)
     for r in rows:
         r["x_serial"] = r["samples_per_s"] / serial if serial else None
         r["x_ceiling"] = r["samples_per_s"] / ceiling
-    rows.append({"workload": workload, "loader": "ceiling", "workers": workers, "samples_per_s": ceiling, "samples_per_s_runs": ceilings, "x_serial": ceiling / serial if serial else None, "x_ceiling": 1.0})
+    rows.append({"workload": workload, "loader": "ceiling", "workers": workers, "samples_per_s": ceiling, "samples_per_s_runs": ceiling_runs,
+                 "x_serial": ceiling / serial if serial else None, "x_ceiling": 1.0, "cpu": max(ceilings, key=lambda c: c[0])[1]})
     if barrier_ceilings:
-        rate = max(barrier_ceilings)
-        rows.append({"workload": workload, "loader": "ceiling-passes", "workers": workers, "samples_per_s": rate, "samples_per_s_runs": barrier_ceilings,
-                     "x_serial": rate / serial if serial else None, "x_ceiling": rate / ceiling})
+        barrier_runs = [c[0] for c in barrier_ceilings]
+        rate = max(barrier_runs)
+        paired = [b / c for b, c in zip(barrier_runs, ceiling_runs)]
+        rows.append({"workload": workload, "loader": "ceiling-passes", "workers": workers, "samples_per_s": rate, "samples_per_s_runs": barrier_runs,
+                     "x_serial": rate / serial if serial else None, "x_ceiling": rate / ceiling, "x_ceiling_rounds": paired,
+                     "x_ceiling_paired": statistics.median(paired), "cpu": max(barrier_ceilings, key=lambda c: c[0])[1]})
     return rows
+
+
+def _cpu_text(cpu):
+    """`CpuWindow` shares as printed beside a run, or nothing where not measured."""
+    if not cpu or "workers" not in cpu:
+        return ""
+    return (f"   CPU: workers {100 * cpu['workers']:.0f}%, consumer {100 * cpu['main']:.0f}%, idle {100 * cpu['idle']:.0f}%, "
+            f"steal {100 * cpu['steal']:.0f}%; workers {cpu['worker_us_per_sample']:.0f} us/sample")
 
 
 def _has_epoch_hook(ds):
@@ -514,15 +626,52 @@ def rss_growth(make, epochs, workers):
 
 
 def print_table(rows):
-    head = f"{'workload':<10}{'loader':<15}{'workers':>8}{'samples/s':>12}{'x serial':>10}{'x ceiling':>11}{'1st batch s':>13}{'peak RSS MB':>13}"
+    head = (f"{'workload':<10}{'loader':<15}{'workers':>8}{'samples/s':>12}{'x serial':>10}{'x ceiling':>11}{'paired':>8}"
+            f"{'1st batch s':>13}{'peak RSS MB':>13}")
     print(head)
     print("-" * len(head))
     for r in rows:
         fmt = lambda k, f: (format(r[k], f) if r.get(k) is not None else "-")  # noqa: E731
         print(
             f"{r['workload']:<10}{r['loader']:<15}{r['workers']:>8}{fmt('samples_per_s', '.1f'):>12}{fmt('x_serial', '.2f'):>10}"
-            f"{fmt('x_ceiling', '.2f'):>11}{fmt('first_batch_s', '.3f'):>13}{fmt('peak_rss_mb', '.0f'):>13}"
+            f"{fmt('x_ceiling', '.2f'):>11}{fmt('x_ceiling_paired', '.2f'):>8}{fmt('first_batch_s', '.3f'):>13}{fmt('peak_rss_mb', '.0f'):>13}"
         )
+    print("(x ceiling: best run / best ceiling run; paired: median over rounds of run / that round's ceiling run)")
+
+
+def cpu_breakdown(row, ceiling):
+    """Why `row` (a kpipe row) is at its multiple of the ceiling, from both best runs' CPU
+    shares: samples/s = the workers' CPU share x the machine's CPU / their CPU per sample,
+    so x ceiling = `capacity` (the workers' share against the ceiling's) x `cost` (the
+    ceiling's CPU per sample against theirs). None where either was not measured."""
+    a, c = row.get("cpu") or {}, ceiling.get("cpu") or {}
+    if "workers" not in a or "workers" not in c or not a["worker_us_per_sample"] or not c["workers"]:
+        return None
+    capacity = a["workers"] / c["workers"]
+    cost = c["worker_us_per_sample"] / a["worker_us_per_sample"]
+    return {"capacity": capacity, "cost": cost, "predicted": capacity * cost}
+
+
+def print_cpu_breakdown(rows):
+    """Where the CPU time went in the best runs of kpipe and the ceilings (see CpuWindow)."""
+    lines = []
+    for r in rows:
+        if "workers" not in (r.get("cpu") or {}):
+            continue
+        ceiling = next(c for c in rows if c["workload"] == r["workload"] and c["loader"] == "ceiling")
+        split = cpu_breakdown(r, ceiling) if r is not ceiling else None
+        cpu = r["cpu"]
+        lines.append(
+            f"{r['workload']:<10}{r['loader']:<15}{100 * cpu['workers']:>8.0f}%{100 * cpu['main']:>9.0f}%{100 * cpu['idle']:>5.0f}%"
+            f"{100 * cpu['steal']:>6.0f}%{cpu['worker_us_per_sample']:>11.0f}"
+            + (f"{split['capacity']:>10.2f}{split['cost']:>7.2f}{split['predicted']:>9.2f}{r['x_ceiling']:>10.2f}" if split else "")
+        )
+    if lines:
+        print("\nWhere the CPU time went in those best runs (shares of all CPUs' time while timed; "
+              "x ceiling = capacity x cost):")
+        print(f"{'workload':<10}{'loader':<15}{'workers':>9}{'consumer':>10}{'idle':>6}{'steal':>7}{'us/sample':>11}"
+              f"{'capacity':>10}{'cost':>7}{'product':>9}{'measured':>10}")
+        print("\n".join(lines))
 
 
 def check_targets(rows, growth, io_workers):
@@ -536,9 +685,11 @@ def check_targets(rows, growth, io_workers):
         checks.append(("(b) kpipe >= 1.5x serial", b_k["x_serial"], 1.5))
     if b_k:
         checks.append(("(b) kpipe >= 0.85x ceiling", b_k["x_ceiling"], 0.85))
+        checks.append(("(b) kpipe >= 0.85x ceiling, paired", b_k["x_ceiling_paired"], 0.85))
         b_a = get("b", "kpipe-ahead")
         if b_a:
             checks.append(("(b) kpipe epoch_end_ahead=True >= 0.85x ceiling", b_a["x_ceiling"], 0.85))
+            checks.append(("(b) kpipe epoch_end_ahead=True >= 0.85x ceiling, paired", b_a["x_ceiling_paired"], 0.85))
         b_p = get("b", "ceiling-passes")
         if b_p:  # what the hook's pass-end barrier alone leaves of the ceiling, and kpipe of that
             print(f"\n(b) the ceiling with a barrier and the hook at each pass end reaches {b_p['x_ceiling']:.2f}x the ceiling; "
@@ -651,6 +802,7 @@ def main(argv=None):
           f"{f' and at least {min_seconds:g} s' if min_seconds else ''} per run, workers={args.workers}, best of {repeats} runs, {warm_mb} MB warmed before each, "
           f"tensorflow {__import__('tensorflow').__version__}, keras {keras.__version__}\n")
     print_table(rows)
+    print_cpu_breakdown(rows)
     if growth:
         print(f"\nkpipe RSS over {growth['epochs']} epochs (workload a): after epoch 2 {growth['rss_after_epoch2_mb']:.0f} MB, "
               f"max later {growth['rss_max_later_mb']:.0f} MB, growth {growth['growth_pct']:+.1f}%")

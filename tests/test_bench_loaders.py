@@ -49,6 +49,16 @@ def test_bench_loaders_runs_the_fixed_order_workload_beside_b(tmp_path):
     assert "(b) kpipe >= 0.85x ceiling" in stdout and "(b) kpipe epoch_end_ahead=True >= 0.85x ceiling" in stdout
     assert "(b) the ceiling with a barrier and the hook at each pass end reaches" in stdout
     assert "kpipe-ahead: passes loaded ahead of on_epoch_end kept 2, missed 0, skipped 0" in stdout  # both pass ends
+    # where the CPU time went, for kpipe and the ceilings (measured), not for the others
+    by_loader = {(r["workload"], r["loader"]): r for r in result["rows"]}
+    for key in [("b", "kpipe"), ("b", "kpipe-ahead"), ("b", "ceiling"), ("b", "ceiling-passes"), ("b-fixed", "kpipe")]:
+        cpu = by_loader[key]["cpu"]
+        assert cpu["worker_us_per_sample"] > 0 and 0 < cpu["workers"] <= 1.05, (key, cpu)
+        assert 0 <= cpu["idle"] <= 1 and 0 <= cpu["steal"] <= 1
+    assert by_loader[("b", "ceiling")]["cpu"]["main"] == 0.0 and by_loader[("b", "kpipe")]["cpu"]["main"] > 0
+    assert by_loader[("b", "kpipe")]["x_ceiling_paired"] == pytest.approx(by_loader[("b", "kpipe")]["x_ceiling"])  # one round
+    assert "Where the CPU time went in those best runs" in stdout
+    assert "(b) kpipe >= 0.85x ceiling, paired" in stdout
 
 
 @pytest.mark.slow
@@ -84,3 +94,27 @@ def test_a_negative_min_seconds_is_refused(capsys):
         _bench_module().main(["--min-seconds", "-1"])
     assert exc.value.code == 2
     assert "--min-seconds must be >= 0. Received: -1.0" in capsys.readouterr().err
+
+
+def test_cpu_shares_split_the_machine_time_between_two_readings():
+    bench = _bench_module()
+    hz = os.sysconf("SC_CLK_TCK")
+    # 2 CPUs for 1 s: 2 * hz ticks, of which 10% idle and 5% stolen
+    before, after = (100, 50, 1000), (100 + 0.2 * hz, 50 + 0.1 * hz, 1000 + 2 * hz)
+    shares = bench.cpu_shares(1.5, 0.2, before, after, samples=3000)
+    assert shares["workers"] == pytest.approx(0.75) and shares["main"] == pytest.approx(0.1)
+    assert shares["idle"] == pytest.approx(0.1) and shares["steal"] == pytest.approx(0.05)
+    assert shares["worker_us_per_sample"] == pytest.approx(500.0)
+    assert bench.cpu_shares(1.5, 0.2, None, after, samples=3000) == {"worker_us_per_sample": pytest.approx(500.0)}  # no /proc/stat
+
+
+def test_the_breakdown_multiplies_out_to_the_ratio_of_two_runs():
+    bench = _bench_module()
+    # a loader whose workers got 80% of the CPUs and spent 200 us per sample, against a
+    # ceiling at 96% and 160 us: (0.8 / 200) / (0.96 / 160) of the ceiling's samples/s
+    row = {"cpu": {"workers": 0.8, "main": 0.1, "idle": 0.05, "steal": 0.05, "worker_us_per_sample": 200.0}}
+    ceiling = {"cpu": {"workers": 0.96, "main": 0.0, "idle": 0.0, "steal": 0.04, "worker_us_per_sample": 160.0}}
+    split = bench.cpu_breakdown(row, ceiling)
+    assert split["capacity"] == pytest.approx(0.8 / 0.96) and split["cost"] == pytest.approx(0.8)
+    assert split["predicted"] == pytest.approx((0.8 / 200) / (0.96 / 160))
+    assert bench.cpu_breakdown({"cpu": None}, ceiling) is None  # not measured (a Keras loader)
