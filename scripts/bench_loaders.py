@@ -349,11 +349,14 @@ def _timed_epochs(counts, start, warmup, epochs, min_seconds):
         epoch += 1
 
 
+def _timed_samples(counts, start, warmup):
+    """Samples timed: after the warm-up epochs, or (none) after the first batch."""
+    return counts[1] - (start[0] if warmup else counts[3])
+
+
 def _rate(counts, start, end, warmup):
     """Samples/s: after the warm-up epochs, or (none) from the first batch on."""
-    if warmup:
-        return (counts[1] - start[0]) / (end - start[1])
-    return (counts[1] - counts[3]) / (end - counts[2])
+    return _timed_samples(counts, start, warmup) / (end - (start[1] if warmup else counts[2]))
 
 
 def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=0):
@@ -386,8 +389,7 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=
         consume(adapter.get_numpy_iterator(), counts, on_first=None if warmup else begin)
         adapter.on_epoch_end()
     end = time.perf_counter()
-    timed = counts[1] - (start[0] if warmup else counts[3])
-    shares = None if cpu is None else cpu.end(timed)
+    shares = None if cpu is None else cpu.end(_timed_samples(counts, start, warmup))
     if kind == "kpipe-ahead":
         ahead = ds.stats()["ahead"]
         print(f"    kpipe-ahead: passes loaded ahead of on_epoch_end kept {ahead['kept']}, missed {ahead['missed']}, "
