@@ -81,8 +81,10 @@ class ProcessLoader(keras.utils.PyDataset):
         max_queue_size: Most batches loaded ahead of the consumer; bounds memory to
             about `max_queue_size` batches. The loader starts with two per worker
             (enough to keep every worker busy when batches take similar times) and
-            goes deeper, up to this bound, only when a worker sat idle while the
-            consumer waited for a slower batch; a batch takes a new shared-memory
+            goes deeper, up to this bound, only when workers sat idle while the
+            consumer waited for slower batches -- for longer than the shared-memory
+            slots of the deeper window cost the workers to set up (they measure
+            it); a batch takes a new shared-memory
             slot only for a worker that would idle otherwise, so the slots number
             about the batches in flight plus those you hold. Defaults to
             `max(4, 2 * workers)` (with `workers="auto"`, twice the most workers it
@@ -243,6 +245,10 @@ class ProcessLoader(keras.utils.PyDataset):
         # memory, and fewer slots to create (and page in) before the first pass flows
         # (the NOTE in kpipe/_engine/_pool.py: when a batch may take a new slot).
         self._window = max_queue_size if workers == 0 else min(max_queue_size, 2 * workers)
+        # Worker-seconds spent idle behind slow batches with the window full since it last
+        # deepened, and when (with how many idle) the current such wait began: see _starved.
+        self._idle_behind_s = 0.0
+        self._idle_since = None
         self._consumer_releases = True  # it drops each batch as it takes the next one
         self._slot_awaited = False  # a batch waits for the consumer to release a slot
         self._releases_seen = 0  # slot releases when it began to wait
@@ -606,8 +612,12 @@ class ProcessLoader(keras.utils.PyDataset):
             self._after_failure()
             raise
         finally:
-            waited = time.perf_counter() - t0
+            now = time.perf_counter()
+            waited = now - t0
             self._stats["wait_s"] += waited
+            if self._idle_since is not None:  # workers idled behind this batch (see _starved)
+                self._idle_behind_s += (now - self._idle_since[0]) * self._idle_since[1]
+                self._idle_since = None
             if key[1] == 0 and key[0] == self._completed_before:  # the start of the pass after one completed here
                 self._stats["pass_start_wait_s"] += waited
         entry.seq = None
@@ -995,6 +1005,7 @@ class ProcessLoader(keras.utils.PyDataset):
             return
         self.num_workers = backend.num_workers
         self._window = min(self.max_queue_size, 2 * self.num_workers)
+        self._idle_behind_s = 0.0
         logger.info("ProcessLoader(%s, workers='auto'): %d -> %d workers: %s",
                     self._name, decision.workers_from, self.num_workers, decision.reason)
         self._fill()
@@ -1026,10 +1037,18 @@ class ProcessLoader(keras.utils.PyDataset):
 
         First it gets the next batch to load: one that waited for a free slot now takes
         a new slot, since a worker idles otherwise. If the window is full instead, batch
-        times vary, and one more batch in flight per worker keeps every worker busy: the
-        window deepens, once per wait -- unless `seq` is its worker's first use of its
-        slot, a delay (the kernel allocating or mapping the slot's pages) that does not
-        recur, where more batches in flight would mean more slots, each paying it again.
+        times vary, and one more batch in flight per worker would keep every worker
+        busy -- at a price: with processes, each batch in flight holds a slot, and a
+        new slot costs its worker a one-time set-up (the kernel allocating and mapping
+        its pages: 46 ms for a 77 MB batch here, 250-400 ms on memory a virtual
+        machine's host had taken back), besides the memory. So the window deepens
+        (once per wait) like renting before buying: only once workers have spent at
+        least that price idle behind slow batches since it last deepened -- at once
+        where the new slots cost less than loading one batch (threads need none; small
+        batches' slots cost microseconds) -- and never for a
+        wait behind `seq`'s first use of its slot, a delay that does not recur, where
+        more batches in flight would mean more slots, each paying it again. A wait that
+        does not deepen counts its idle worker-seconds towards the price (see `_fetch`).
         Then (or when the window is at `max_queue_size`) the idle worker allocates a
         slot the window will need -- one per batch in flight and one the consumer
         holds -- instead of idling (`ProcessBackend.prepare_slots`).
@@ -1042,9 +1061,14 @@ class ProcessLoader(keras.utils.PyDataset):
         processes = isinstance(backend, ProcessBackend)
         if self._in_flight() >= self._limit() and self._next_dispatch() is not None:
             if self._window < self.max_queue_size and not (processes and backend.is_first_use(seq)):
-                self._window = min(self.max_queue_size, self._window + self.num_workers)
-                self._fill()
-                return False
+                price = self.num_workers * backend.slot_setup_s() if processes else 0.0
+                if self._idle_behind_s >= price or price <= (backend.mean_batch_s() if processes else 0.0):
+                    self._window = min(self.max_queue_size, self._window + self.num_workers)
+                    self._idle_behind_s = 0.0
+                    self._fill()
+                    return False
+                if self._idle_since is None:
+                    self._idle_since = (time.perf_counter(), max(1, backend.idle_workers()))
             if processes:
                 return backend.prepare_slots(up_to=self._limit() + 1) > 0
         return False

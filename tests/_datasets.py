@@ -254,3 +254,16 @@ class Stalls:
         if i % self.every == 0:
             time.sleep(self.stall_s)
         return np.full((2, 3), i, dtype="float32")
+
+
+class Sized:
+    """`n` batches of `nbytes` each (uint8, every byte = the batch index)."""
+
+    def __init__(self, n=4, nbytes=4 << 20):
+        self.n, self.nbytes = n, nbytes
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full(self.nbytes, i % 256, dtype="uint8")

@@ -423,6 +423,72 @@ def test_a_worker_idle_behind_a_slots_first_use_prepares_a_slot_instead_of_deepe
         assert loader.stats()["queue_depth"] > 4
 
 
+def test_setup_seconds_count_what_reserve_set_up_and_nothing_else():
+    import os
+
+    from kpipe._engine import _shm
+
+    first = _shm.Segment.create(0)
+    second = _shm.Segment(os.dup(first.fd))
+    try:
+        before = _shm.setup_seconds()
+        first.reserve(8 << 20)  # grown, mapped, allocated and paged in: a new slot
+        grown = _shm.setup_seconds()
+        assert grown > before
+        first.reserve(8 << 20)  # the same size again, as each later batch in this slot
+        first.reserve(1 << 20)
+        assert _shm.setup_seconds() == grown  # nothing to do, nothing counted
+        second.reserve(8 << 20)  # another process's first use of the slot: mapped and paged in
+        assert _shm.setup_seconds() > grown
+    finally:
+        first.close()
+        second.close()
+
+
+def test_workers_report_what_a_new_slot_cost_them(no_leaks):
+    from _datasets import Sized
+
+    from kpipe._engine._pool import ProcessBackend
+
+    backend = ProcessBackend(Sized(n=4, nbytes=4 << 20), num_workers=1, mode="dataset", start_method="forkserver",
+                             timeout=60.0, seed=0, name="Sized", keep_idle=8)
+    try:
+        assert backend.slot_setup_s() == 0.0  # nothing measured yet
+        backend.get(backend.submit(0))  # dropped at once: its slot is free again
+        seconds, nbytes = backend._setup
+        assert seconds > 0 and nbytes >= 4 << 20  # the new slot's set-up, as the worker timed it
+        assert backend.slot_setup_s(8 << 20) == pytest.approx(2 * backend.slot_setup_s(4 << 20))
+        backend.get(backend.submit(1))  # the same slot, the same size: nothing to set up
+        assert backend._setup == [seconds, nbytes]
+        assert backend.mean_batch_s() > 0
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("price_s,deepens", [(0.35, True), (100.0, False)], ids=["idle-pays-for-slots", "slots-too-dear"])
+def test_the_window_deepens_only_once_workers_idled_longer_than_its_new_slots_cost(price_s, deepens, no_leaks):
+    """Rent before buying: each batch in flight holds a slot, and a new slot costs its
+    worker a one-time set-up, so the window deepens only once workers have idled behind
+    slow batches for longer than the slots it would add cost (see ProcessLoader._starved)."""
+    from _datasets import Stalls
+
+    # Every 4th batch takes 0.5 s: the other worker idles behind it for about that long.
+    with kpipe.ProcessLoader(Stalls(n=32, every=4, stall_s=0.5), workers=2, max_queue_size=9) as loader:
+        backend = loader._backend
+        backend.slot_setup_s = lambda nbytes=None: price_s  # a slot of this price: 2 workers x price_s per step
+        got = [int(loader[i][0, 0]) for i in range(8)]  # two stalls: 0 (a first use, never counted) and 4
+        assert loader.stats()["queue_depth"] == 4  # one wait behind a slow batch (<= 0.5 s) pays for neither
+        assert loader._idle_behind_s <= 0.6  # (0 if batch 4 was its worker's first use of its slot)
+        got += [int(loader[i][0, 0]) for i in range(8, 32)]
+        assert got == list(range(32))
+        if deepens:  # 7 more waits of ~0.5 s: from the second one counted on, the idle time paid for 0.7 s
+            assert loader.stats()["queue_depth"] > 4
+        else:
+            assert loader.stats()["queue_depth"] == 4
+            assert loader._idle_behind_s > 0.7  # idle behind slow batches, though not enough to buy slots
+            assert len(backend._slots) <= 5  # the window's 4, and the one the consumer holds
+
+
 def test_slots_are_made_for_idle_workers_only(no_leaks):
     """A consumer that holds its previous batch while it reads the next one: every batch
     in flight has a slot, plus the one it holds -- never one more (a slot for a batch that

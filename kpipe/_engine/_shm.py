@@ -28,6 +28,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -44,6 +45,20 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.s
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform.startswith("linux") else None)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 _FD_LIMIT_TARGET = 1 << 20  # soft RLIMIT_NOFILE asked for when the hard limit is unlimited
+
+
+# Seconds this process spent in `Segment.reserve` growing, mapping and paging in slots:
+# what a slot costs a worker once (see `setup_seconds`).
+_setup_seconds = [0.0]
+
+
+def setup_seconds():
+    """Seconds this process has spent setting up shared memory for writing so far --
+    growing segments, mapping them and paging them in (`Segment.reserve`); the pages'
+    first allocation by the kernel counts here. A worker reports the part each batch
+    paid, so that the main process knows what one more slot costs (`ProcessLoader`
+    deepens its window only when workers idled longer than that, see `_starved`)."""
+    return _setup_seconds[0]
 
 
 def align(n, to=_ALIGN):
@@ -228,9 +243,11 @@ class Segment:
 
     def reserve(self, nbytes):
         """Grows the file to hold at least `nbytes` (never shrinks), maps it, and pages in
-        the first `nbytes` for writing."""
-        if nbytes <= 0:
-            return
+        the first `nbytes` for writing. The time that takes, where anything was to do,
+        is added to `setup_seconds()`."""
+        if nbytes <= 0 or (nbytes <= self._populated and self._buf is not None):
+            return  # mapped and paged in that far already: nothing to ask the file or kernel
+        t0 = time.perf_counter()
         if nbytes <= self._mapped and self._buf is not None:
             size = self._mapped  # already mapped that far: no need to ask the file
         else:
@@ -245,6 +262,7 @@ class Segment:
         self._map(nbytes)
         if nbytes > self._populated:
             self._populate(nbytes, allocate=grew)
+        _setup_seconds[0] += time.perf_counter() - t0
 
     def _need_fd(self):
         if self.fd is None:

@@ -12,8 +12,8 @@ Protocol (main -> worker, over one Unix socket, after `init`):
   ("prepare", slot, nbytes, fds, close, drop)           then the fds of the slots in `fds`
   ("stop",)
 worker -> main:
-  ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s, cpu_s, runq_s)
-  ("error", seq, exc) | ("state-ok",) | ("prepared", slot)
+  ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s, cpu_s, runq_s, setup_s)
+  ("error", seq, exc) | ("state-ok",) | ("prepared", slot, setup_s)
 
 `prepare` has an idle worker allocate and map the first `nbytes` of a new slot (what its
 first batch there would otherwise pay; see the NOTE in `_pool.py`).
@@ -31,6 +31,10 @@ Timings of a batch (for `workers="auto"`, `_autoscale.py`): `busy_s` is its wall
 the worker, `cpu_s` the worker's CPU time meanwhile (`time.process_time`: all its
 threads), `runq_s` the time its main thread waited for a CPU (Linux
 `/proc/self/schedstat`, 0 elsewhere): wall >> CPU + run queue means I/O-bound.
+`setup_s` (of a batch, or of a `prepare`) is the part of its time spent growing, mapping
+and paging in shared memory (`_shm.setup_seconds`): 0 in a slot the worker has written
+before at that size, what a new slot costs otherwise (the loader weighs it before
+taking more slots, see `ProcessLoader._starved`).
 
 Parent death: a worker (and kpipe's fork server) asks the kernel for SIGKILL when its
 parent dies (Linux `PR_SET_PDEATHSIG`), and a watchdog thread checks `os.getppid()`
@@ -54,7 +58,7 @@ import numpy as np
 
 from kpipe._engine import _alloc, _pickling, _tree
 from kpipe._engine import worker_info as _wi
-from kpipe._engine._shm import Segment, plan_layout
+from kpipe._engine._shm import Segment, plan_layout, setup_seconds
 from kpipe._engine._wire import recv_fds, send_fds
 
 _PARENT_POLL_S = 0.5
@@ -195,8 +199,8 @@ class _Worker:
 
     def run_task(self, seq, key, out_slot, inputs):
         """Loads one batch into `out_slot`; returns `(treedef, layout, timings)`,
-        timings = (wall, CPU, run-queue) seconds."""
-        t0, cpu0, q0 = time.perf_counter(), time.process_time(), self.runq()
+        timings = (wall, CPU, run-queue, slot set-up) seconds."""
+        t0, cpu0, q0, s0 = time.perf_counter(), time.process_time(), self.runq(), setup_seconds()
         segment = self.slots[out_slot]
         alloc = _alloc.begin(segment)  # kpipe.empty() now allocates in this slot
         try:
@@ -212,7 +216,7 @@ class _Worker:
         layout = plan_layout(leaves, placed, start=alloc.used)
         copies = [(a, lay) for a, lay, at in zip(leaves, layout, placed) if at is None]
         segment.write([a for a, _ in copies], [lay for _, lay in copies])
-        return treedef, layout, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0)
+        return treedef, layout, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0, setup_seconds() - s0)
 
     def serve(self):
         conn = self.conn
@@ -238,11 +242,12 @@ class _Worker:
             elif kind == "prepare":
                 _, slot, nbytes, fd_slots, close, drop = msg
                 self._take_slots(fd_slots, close, drop)
+                s0 = setup_seconds()
                 try:
                     self.slots[slot].reserve(nbytes)
                 except OSError:
                     pass  # e.g. out of memory: the batch that uses the slot reports it
-                conn.send(("prepared", slot))
+                conn.send(("prepared", slot, setup_seconds() - s0))
             elif kind == "state":
                 _, payload, new_keys, drop_keys = msg
                 self._adopt_arrays(new_keys)
