@@ -25,21 +25,26 @@ bare processes with the barrier Keras's semantics put at every pass end: each ru
 passes and, once all have finished one, runs the hook on its own copy and goes on. The
 ceiling against ceiling-passes is what that barrier alone costs (no hand-off, a free
 hook); a loader that waits at pass ends stays below ceiling-passes.
-Throughput is measured from the first batch to the end of the last epoch, so
-per-epoch costs (Keras re-forking its pool, say) count and the one-time start-up is
-reported on its own: "1st batch s" is the time from constructing the loader to
-receiving its first batch (median of the runs). Each run takes at least `--epochs`
-epochs and goes on, whole epochs at a time, until `--min-seconds` have passed since its
-first batch; the ceiling's workers run as long (stopping at a batch's end). On a fast
+Throughput is measured over whole epochs after `--warmup-epochs` (default 1) untimed
+ones, so per-epoch costs (Keras re-forking its pool, say) count and one-time ones are
+reported on their own, as the ceiling's are left out (its workers do one batch before
+timing starts: the file opened, the buffer's pages and the heap's set up): "1st batch
+s" is the time from constructing the loader to receiving its first batch (median of the
+runs), and "from 1st" is the multiple of the ceiling timed from that first batch, the
+warm-up epochs included -- for kpipe in (b), what the shared-memory slots and the
+workers' first batches cost once (a 77 MB slot takes 46 ms to set up here, 250-400 ms
+on memory the VM's host had taken back). Each run takes at least `--epochs` timed
+epochs and goes on, whole epochs at a time, until `--min-seconds` have passed since
+they began; the ceiling's workers run as long (stopping at a batch's end). On a fast
 machine a workload's default epochs take about a second (workload b: 8 epochs of 16
 batches took 1.1-1.4 s here), too short to measure a rate: the ceiling's best of 3 such
 runs varied from 14.3 to 18.1 thousand samples/s from one run to the next (in 5 s
 runs the ceilings came out 5-49% higher against serial). `--min-seconds 0` times the
-epochs alone. `--warmup-epochs N` times only the epochs after N untimed ones of the
-same loader instead: the first epochs are where a loader pays once for its buffers
-(each of kpipe's shared-memory slots costs the kernel ~0.6 ms per MB on first use, and
-~0.12 ms per MB in each further worker that maps it; the ceiling's workers touch their
-one buffer before timing starts).
+epochs alone. `--warmup-epochs 0` times every run from its first batch instead: the
+first epochs are where a loader pays once for its buffers (each of kpipe's shared-memory
+slots costs the kernel ~0.6 ms per MB on first use, and ~0.12 ms per MB in each further
+worker that maps it), where the ceiling's workers touch their one buffer before timing
+starts.
 
 Every loader runs `--repeats` times, in
 rounds; its best throughput is reported (this 2-core VM's speed drifts by +-20% from
@@ -55,9 +60,9 @@ sample. samples/s is the workers' share of the CPUs divided by their CPU per sam
 "x ceiling" splits into `capacity` (the workers' share against the ceiling's: what the
 consumer, pass-end waits and steal take) times `cost` (the ceiling's CPU per sample
 against the workers': what the work costs more in them -- one-time slot set-up within
-the timed window, caches shared with the consumer). The workers' CPU counts from the
-first batch (the batches in flight then were partly made before it) to the last one
-taken (a pass loaded ahead of it counts, its samples do not); both are a few batches in
+the timed window (with `--warmup-epochs 0`), caches shared with the consumer). The
+workers' CPU counts from the first timed epoch (or the first batch; the batches in flight
+then were partly made before it) to the last one taken (a pass loaded ahead of it counts, its samples do not); both are a few batches in
 hundreds.
 
 Before each run (the ceiling's too) the benchmark writes and frees `--warm-mb` MB of
@@ -414,7 +419,7 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=
               f"skipped {ahead['skipped']}{'; off: ' + ahead['off'] if ahead['off'] else ''}", flush=True)
     if hasattr(ds, "close"):
         ds.close()
-    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0], shares
+    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0], shares, _rate(counts, start, end, 0)
 
 
 def run_tfdata(make, epochs, workers, max_queue, warmup=0, min_seconds=0):
@@ -436,7 +441,8 @@ def run_tfdata(make, epochs, workers, max_queue, warmup=0, min_seconds=0):
     start = []
     for _ in _timed_epochs(counts, start, warmup, epochs, min_seconds):
         consume(tfds.as_numpy_iterator(), counts)
-    return _rate(counts, start, time.perf_counter(), warmup), counts[2] - t0, counts[0], None
+    end = time.perf_counter()
+    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0], None, _rate(counts, start, end, 0)
 
 
 _CEILING_CHILD = r"""
@@ -567,10 +573,10 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
             warm_memory(warm_mb)
             with PeakRSS() as rss:
                 if kind == "tf.data":
-                    rate, first_s, batches, cpu = run_tfdata(make, epochs, workers, max_queue, warmup, min_seconds)
+                    rate, first_s, batches, cpu, from_first = run_tfdata(make, epochs, workers, max_queue, warmup, min_seconds)
                 else:
-                    rate, first_s, batches, cpu = run_pydataset(make, kind, epochs, workers, max_queue, warmup, min_seconds)
-            runs[kind].append((rate, first_s, rss.peak / 2**20, batches, cpu))
+                    rate, first_s, batches, cpu, from_first = run_pydataset(make, kind, epochs, workers, max_queue, warmup, min_seconds)
+            runs[kind].append((rate, first_s, rss.peak / 2**20, batches, cpu, from_first))
             print(f"  {workload}: {kind:<14} {rate:10.1f} samples/s{_cpu_text(cpu)}", flush=True)
         warm_memory(warm_mb)
         with PeakRSS():  # (not reported: sampled so that every run pays the sampler alike)
@@ -600,12 +606,15 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
                 "x_ceiling_rounds": paired,
                 "x_ceiling_paired": statistics.median(paired),
                 "cpu": max(runs[kind], key=lambda r: r[0])[4],
+                # from the first batch, the warm-up epochs included (the same runs)
+                "samples_per_s_from_first": max(r[5] for r in runs[kind]),
             }
         )
     serial = next((r["samples_per_s"] for r in rows if r["loader"] == "serial"), None)
     for r in rows:
         r["x_serial"] = r["samples_per_s"] / serial if serial else None
         r["x_ceiling"] = r["samples_per_s"] / ceiling
+        r["x_ceiling_from_first"] = r["samples_per_s_from_first"] / ceiling
     rows.append({"workload": workload, "loader": "ceiling", "workers": workers, "samples_per_s": ceiling, "samples_per_s_runs": ceiling_runs,
                  "x_serial": ceiling / serial if serial else None, "x_ceiling": 1.0, "cpu": max(ceilings, key=lambda c: c[0])[1]})
     if barrier_ceilings:
@@ -649,16 +658,18 @@ def rss_growth(make, epochs, workers):
 
 def print_table(rows):
     head = (f"{'workload':<10}{'loader':<15}{'workers':>8}{'samples/s':>12}{'x serial':>10}{'x ceiling':>11}{'paired':>8}"
-            f"{'1st batch s':>13}{'peak RSS MB':>13}")
+            f"{'from 1st':>10}{'1st batch s':>13}{'peak RSS MB':>13}")
     print(head)
     print("-" * len(head))
     for r in rows:
         fmt = lambda k, f: (format(r[k], f) if r.get(k) is not None else "-")  # noqa: E731
         print(
             f"{r['workload']:<10}{r['loader']:<15}{r['workers']:>8}{fmt('samples_per_s', '.1f'):>12}{fmt('x_serial', '.2f'):>10}"
-            f"{fmt('x_ceiling', '.2f'):>11}{fmt('x_ceiling_paired', '.2f'):>8}{fmt('first_batch_s', '.3f'):>13}{fmt('peak_rss_mb', '.0f'):>13}"
+            f"{fmt('x_ceiling', '.2f'):>11}{fmt('x_ceiling_paired', '.2f'):>8}{fmt('x_ceiling_from_first', '.2f'):>10}"
+            f"{fmt('first_batch_s', '.3f'):>13}{fmt('peak_rss_mb', '.0f'):>13}"
         )
-    print("(x ceiling: best run / best ceiling run; paired: median over rounds of run / that round's ceiling run)")
+    print("(x ceiling: best run / best ceiling run; paired: median over rounds of run / that round's ceiling run;\n"
+          " from 1st: best run timed from its first batch, warm-up epochs included / best ceiling run)")
 
 
 def cpu_breakdown(row, ceiling):
@@ -716,6 +727,10 @@ def check_targets(rows, growth, io_workers):
         if b_p:  # what the hook's pass-end barrier alone leaves of the ceiling, and kpipe of that
             print(f"\n(b) the ceiling with a barrier and the hook at each pass end reaches {b_p['x_ceiling']:.2f}x the ceiling; "
                   f"kpipe reaches {b_k['samples_per_s'] / b_p['samples_per_s']:.2f}x of that")
+        if b_k.get("x_ceiling_from_first") is not None:  # (the same as x ceiling with --warmup-epochs 0)
+            print(f"(b) timed from the first batch, the warm-up epochs and the slots' set-up included: kpipe "
+                  f"{b_k['x_ceiling_from_first']:.2f}x the ceiling"
+                  + (f", with epoch_end_ahead=True {b_a['x_ceiling_from_first']:.2f}x" if b_a else ""))
     a_k, a_mp = get("a", "kpipe"), get("a", "keras-mp")
     if a_k and a_mp:
         checks.append(("(a) kpipe >= 0.85x ceiling", a_k["x_ceiling"], 0.85))
@@ -751,7 +766,7 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=2, help="workers for every parallel loader. Default: 2")
     parser.add_argument("--io-workers", type=int, default=16, help="workers for workload c (plus a run at --workers). Default: 16")
     parser.add_argument("--epochs", default=_EPOCHS, help=f"epochs timed per loader, per workload (a single number for all). Default: {_EPOCHS}")
-    parser.add_argument("--warmup-epochs", type=int, default=0, help="untimed epochs of each loader before the timed ones. Default: 0 (time from the first batch)")
+    parser.add_argument("--warmup-epochs", type=int, default=1, help="untimed epochs of each loader before the timed ones (the ceiling's workers do one batch untimed); 'from 1st' also times them. Default: 1")
     parser.add_argument("--min-seconds", type=float, default=None, help="each run goes on, whole epochs at a time, until this long after its first batch (the ceiling's too; 0: --epochs only). Default: 5 (0 with --quick)")
     parser.add_argument("--max-queue-size", type=int, default=10, help="batches in flight. Default: 10")
     parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")

@@ -46,9 +46,16 @@ def test_bench_loaders_runs_the_fixed_order_workload_beside_b(tmp_path):
         ("b", "kpipe"), ("b", "kpipe-ahead"), ("b", "ceiling"), ("b", "ceiling-passes"), ("b-fixed", "kpipe"), ("b-fixed", "ceiling"),
     ]
     assert all(r["samples_per_s"] > 0 for r in result["rows"])
+    by_ceiling = {r["workload"]: r["samples_per_s"] for r in result["rows"] if r["loader"] == "ceiling"}
     assert "(b) kpipe >= 0.85x ceiling" in stdout and "(b) kpipe epoch_end_ahead=True >= 0.85x ceiling" in stdout
     assert "(b) the ceiling with a barrier and the hook at each pass end reaches" in stdout
-    assert "kpipe-ahead: passes loaded ahead of on_epoch_end kept 2, missed 0, skipped 0" in stdout  # both pass ends
+    # every pass end: the warm-up epoch's (the default --warmup-epochs 1) and the 2 timed ones'
+    assert "kpipe-ahead: passes loaded ahead of on_epoch_end kept 3, missed 0, skipped 0" in stdout
+    for r in result["rows"]:  # timed from the first batch too: the warm-up epoch included
+        if not r["loader"].startswith("ceiling"):
+            assert r["samples_per_s_from_first"] > 0
+            assert r["x_ceiling_from_first"] == pytest.approx(r["samples_per_s_from_first"] / by_ceiling[r["workload"]])
+    assert "from 1st" in stdout
     # where the CPU time went, for kpipe and the ceilings (measured), not for the others
     by_loader = {(r["workload"], r["loader"]): r for r in result["rows"]}
     for key in [("b", "kpipe"), ("b", "kpipe-ahead"), ("b", "ceiling"), ("b", "ceiling-passes"), ("b-fixed", "kpipe")]:
