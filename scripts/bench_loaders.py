@@ -62,8 +62,8 @@ consumer, pass-end waits and steal take) times `cost` (the ceiling's CPU per sam
 against the workers': what the work costs more in them -- one-time slot set-up within
 the timed window (with `--warmup-epochs 0`), caches shared with the consumer). The
 workers' CPU counts from the first timed epoch (or the first batch; the batches in flight
-then were partly made before it) to the last one taken (a pass loaded ahead of it counts, its samples do not); both are a few batches in
-hundreds.
+then were partly made before it) to the last one taken (a pass loaded ahead of it counts,
+its samples do not); both are a few batches in hundreds.
 
 Before each run (the ceiling's too) the benchmark writes and frees `--warm-mb` MB of
 memory. A virtual machine that reports free memory to its host (virtio-balloon free
@@ -767,7 +767,7 @@ def main(argv=None):
     parser.add_argument("--io-workers", type=int, default=16, help="workers for workload c (plus a run at --workers). Default: 16")
     parser.add_argument("--epochs", default=_EPOCHS, help=f"epochs timed per loader, per workload (a single number for all). Default: {_EPOCHS}")
     parser.add_argument("--warmup-epochs", type=int, default=1, help="untimed epochs of each loader before the timed ones (the ceiling's workers do one batch untimed); 'from 1st' also times them. Default: 1")
-    parser.add_argument("--min-seconds", type=float, default=None, help="each run goes on, whole epochs at a time, until this long after its first batch (the ceiling's too; 0: --epochs only). Default: 5 (0 with --quick)")
+    parser.add_argument("--min-seconds", type=float, default=None, help="each run goes on, whole epochs at a time, until this long after its timed epochs began (the ceiling's too; 0: --epochs only). Default: 5 (0 with --quick)")
     parser.add_argument("--max-queue-size", type=int, default=10, help="batches in flight. Default: 10")
     parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")
     parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")

@@ -184,6 +184,11 @@ def rebuild_exception(packed, where):
     return exc
 
 
+def _idles(proc):
+    """Whether live worker `proc` has no task (nor other message) pending."""
+    return not proc.pending and proc.dead_error is None
+
+
 class ProcessBackend:
     """Runs `target[key]` (mode "dataset") or `target(inputs)` (mode "function") in worker
     processes. Used from one thread at a time."""
@@ -437,7 +442,7 @@ class ProcessBackend:
 
     def _a_worker_idles(self):
         """Whether a live worker that takes tasks has none."""
-        return any(not p.pending and p.dead_error is None for p in self._active)
+        return any(map(_idles, self._active))
 
     def slots_held(self):
         """Slots whose batches the consumer holds: handed out by `get`, not released."""
@@ -473,7 +478,7 @@ class ProcessBackend:
 
     def idle_workers(self):
         """How many live workers that take tasks have none."""
-        return sum(1 for p in self._active if not p.pending and p.dead_error is None)
+        return sum(map(_idles, self._active))
 
     def is_first_use(self, seq):
         """Whether task `seq` is its worker's first use of its slot."""
