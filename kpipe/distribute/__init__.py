@@ -18,7 +18,8 @@ first use.
   (`auto_strategy()` serves on `worker` and `ps` tasks).
 * `start_dispatcher()`, `start_worker()`, `via_data_service()` -- tf.data service.
 * `pipeline_model()`, `PipelineModel` -- model parallelism: a model's layers as pipeline
-  stages on several devices, trained by `fit()` with GPipe micro-batches.
+  stages on several devices, trained by `fit()` with GPipe micro-batches;
+  `PipelineGradientError` -- a loss the pipeline cannot back-propagate.
 """
 
 from kpipe import _lazy
@@ -39,6 +40,7 @@ _LAZY_ATTRS = {
     "via_data_service": "kpipe.distribute._data_service",
     "pipeline_model": "kpipe.distribute._pipeline",
     "PipelineModel": "kpipe.distribute._pipeline",
+    "PipelineGradientError": "kpipe.distribute._pipeline_loss",
 }
 
 __all__ = sorted([

@@ -15,10 +15,12 @@ One training step on a batch of N samples (M = `num_microbatches`)::
     x --split--> x_0 .. x_{M-1}        sizes ceil/floor(N/M): any N works (N < M: the
                                        empty ones get x's last row, ignored below)
     forward   for m: h = x_m; for k: [dev k, tape T_mk] h = stage_k(h)   (acts kept)
-    loss      [dev K-1] y_pred = concat_m(h_m); loss, metrics on the WHOLE batch, as Keras
-              computes them (sample_weight, class_weight, loss weights, regularizers);
-              g = d loss / d y_pred, split back into M pieces
+    loss      [dev K-1] y_pred = concat_m(h_m), with the logits behind a softmax/sigmoid
+              output and the mask joined alike (_pipeline_loss.py NOTE); loss, metrics on
+              the WHOLE batch, as Keras computes them (sample_weight, class_weight, loss
+              weights, regularizers); g = d loss / d (y_pred, logits), split back into M pieces
     backward  for m: for k = K-1 .. 0: [dev k] (g, dW_mk) = T_mk.gradient(h_out, (h_in, W_k), g)
+              (for k = K-1, h_out is the outputs and their logits)
     update    [dev of each variable] dW_k = sum_m dW_mk; one optimizer step
 
 Keras's `tf.function` traces this into one graph; its executor runs each op once its inputs
@@ -36,19 +38,23 @@ normalizes each micro-batch with its own statistics (a warning says so).
 
 Limits: one host; no `tf.distribute` strategy around it (an error); no XLA (`jit_compile`
 must be False: one XLA program cannot span the stages' devices); layers used more than once
-(shared layers) and activity regularizers are rejected; losses a layer adds with `add_loss`
-inside `call` are not supported.
+(shared layers) and activity regularizers are rejected; a loss a layer adds with `add_loss`
+inside `call`, or a loss that reads a tensor inside a stage other than through the model's
+outputs, raises `PipelineGradientError` on the first step (the pipeline would not
+back-propagate it).
 """
 
 import contextlib
 import dataclasses
 import functools
+import re
 import warnings
 
 import keras
 import tensorflow as tf
 
 from kpipe import _devices
+from kpipe.distribute import _pipeline_loss
 
 _FLOAT_KINDS = ("float16", "bfloat16", "float32", "float64")
 
@@ -83,6 +89,11 @@ class PipelineModel(keras.Model):
     `kpipe/distribute/_pipeline.py`. Its `layers`, `weights` and weight files are those
     of the unsplit model. Not to be shared across processes; like any Keras model it may
     be read from several threads but trained from one.
+
+    `fit()` raises `PipelineGradientError` on its first step when the loss depends on a
+    tensor inside a stage other than through the model's outputs (and the logits Keras's
+    crossentropies read behind a softmax or sigmoid output): a layer's `add_loss`, or a
+    custom loss reading such a tensor.
     """
 
     def __init__(self, stages, layers, num_microbatches, name=None):
@@ -153,7 +164,7 @@ class PipelineModel(keras.Model):
         h = inputs
         for stage in self._pipe.stages:
             with tf.device(stage.device):
-                h = stage.model(h, training=training)
+                h = _call_stage(stage, h, training)
         return h
 
     def train_step(self, data):
@@ -162,33 +173,43 @@ class PipelineModel(keras.Model):
         pipe = self._pipe
         sizes = pipe.microbatch_sizes(x)
         microbatches, rows = pipe.split_inputs(x, sizes)
+        mark = _pipeline_loss.forward_mark()
         records, outputs = pipe.forward_with_tapes(microbatches)
+        forward_ops = _pipeline_loss.ops_since(mark)
+        _pipeline_loss.check_no_added_losses(pipe.stages, self.name)
         trainable = self.trainable_variables
         with tf.device(pipe.stages[-1].device), tf.name_scope("pipeline_loss"):
-            y_pred = _concat(pipe.trim(outputs, sizes))
-            flat_pred = tf.nest.flatten(y_pred)
+            # y_pred carries what Keras's loss reads besides the outputs (NOTE in _pipeline_loss).
+            joined = _pipeline_loss.join_outputs(outputs, lambda parts: pipe.trim(parts, sizes))
             with tf.GradientTape() as tape:
-                tape.watch(flat_pred)
-                loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+                tape.watch(joined.watched)
+                loss = self._compute_loss(x=x, y=y, y_pred=joined.y_pred, sample_weight=sample_weight, training=True)
                 self._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
                 if self.optimizer is not None:
                     loss = self.optimizer.scale_loss(loss)
-            grads = tape.gradient(loss, flat_pred + list(trainable))
-            pred_grads = [pipe.pad(pipe.split(g, sizes), sizes, rows) if g is not None else [None] * pipe.num_microbatches
-                          for g in grads[: len(flat_pred)]]
+            if forward_ops is not None:  # tracing: decided exactly on the graph
+                _pipeline_loss.check_loss_reads_only(loss, joined.watched, forward_ops, model_name=self.name,
+                                                     stages=pipe.stages)
+            grads = tape.gradient(loss, joined.watched + list(trainable))
+            watched_grads = grads[: len(joined.watched)]
+            if forward_ops is None and trainable:
+                _pipeline_loss.check_gradients_arrived(watched_grads, pipe.stages, self.name)
+            pieces = [pipe.pad(pipe.split(g, sizes), sizes, rows) if g is not None else [None] * pipe.num_microbatches
+                      for g in watched_grads]
         if trainable:
-            direct = dict(zip(map(id, trainable), grads[len(flat_pred):]))  # weight regularizers
-            per_var = pipe.backward(records, [list(g) for g in zip(*pred_grads)])
+            direct = dict(zip(map(id, trainable), grads[len(joined.watched):]))  # weight regularizers
+            per_var = pipe.backward(records, joined.sources, [list(g) for g in zip(*pieces)])
             gradients = []
             for var in trainable:
                 terms = [g for g in per_var.get(id(var), []) + [direct[id(var)]] if g is not None]
                 with tf.device(_device_of(var)):
                     gradients.append(tf.add_n(terms) if len(terms) > 1 else terms[0] if terms else None)
             _place_updates_with_variables(self.optimizer)
+            # A None gradient is one the unsplit model has too: Keras's optimizer warns for it.
             self.optimizer.apply_gradients(zip(gradients, trainable))
         else:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return self.compute_metrics(x, y, joined.y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
         _check_no_strategy("evaluate")
@@ -262,16 +283,18 @@ class _Pipeline:
         return [tf.pad(g, [[0, rows[m] - sizes[m]]] + [[0, 0]] * (g.shape.rank - 1)) for m, g in enumerate(pieces)]
 
     def forward(self, x):
-        """Inference: every micro-batch through every stage, outputs joined on the last device."""
+        """Inference: every micro-batch through every stage, outputs joined on the last device
+        (with what Keras's loss reads besides them: `evaluate()` computes the loss as the unsplit
+        model does)."""
         outputs = []
         sizes = self.microbatch_sizes(x)
         for h in self.split_inputs(x, sizes)[0]:
             for stage in self.stages:
                 with tf.device(stage.device), tf.name_scope(f"pipeline_stage_{stage.index}"):
-                    h = stage.model(h, training=False)
+                    h = _call_stage(stage, h, False)
             outputs.append(h)
         with tf.device(self.stages[-1].device):
-            return _concat(self.trim(outputs, sizes))
+            return _pipeline_loss.join_outputs(outputs, lambda parts: self.trim(parts, sizes)).y_pred
 
     def forward_with_tapes(self, microbatches):
         """Training forward pass, one tape per (micro-batch, stage).
@@ -290,26 +313,35 @@ class _Pipeline:
                     with tf.GradientTape(watch_accessed_variables=False) as tape:
                         tape.watch([flat_in[i] for i in floats])
                         tape.watch([v.value for v in stage.model.trainable_variables])
-                        h = stage.model(h, training=True)
+                        h = _call_stage(stage, h, True)
                 row.append((tape, flat_in, floats, tf.nest.flatten(h)))
             records.append(row)
             outputs.append(h)
         return records, outputs
 
-    def backward(self, records, output_grads):
+    def backward(self, records, last_targets, output_grads):
         """Back-propagates `output_grads[m]` (flat, per micro-batch) through every stage.
 
-        Returns `{id(variable): [gradient of each micro-batch]}`. Stage k's backward ops are
-        built under `tf.device(stage k's device)`; TensorFlow names them after the forward
-        ops they differentiate: `gradient_tape/pipeline_stage_<k>/...`.
+        `last_targets[m]` are the tensors of micro-batch m in the last stage that
+        `output_grads[m]` belong to: its outputs, then the logits Keras's loss read behind
+        them (`_pipeline_loss.join_outputs`). Returns `{id(variable): [gradient of each
+        micro-batch]}`. Stage k's backward ops are built under `tf.device(stage k's
+        device)`; TensorFlow names them after the forward ops they differentiate:
+        `gradient_tape/pipeline_stage_<k>/...`. A stage none of whose targets got a gradient
+        passes none on (its variables and those of the stages before it get no term from
+        that micro-batch, as in the unsplit model).
         """
         per_var = {}
-        for row, grads in zip(records, output_grads):
+        for row, targets, grads in zip(records, last_targets, output_grads):
             for stage, (tape, flat_in, floats, flat_out) in zip(reversed(self.stages), reversed(row)):
+                if stage is not self.stages[-1]:
+                    targets = flat_out
+                if all(g is None for g in grads):
+                    break
                 variables = list(stage.model.trainable_variables)
                 with tf.device(stage.device):
-                    grads = [tf.zeros_like(o) if g is None else g for o, g in zip(flat_out, grads)]
-                    result = tape.gradient(flat_out, [flat_in[i] for i in floats] + variables,
+                    grads = [tf.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
+                    result = tape.gradient(targets, [flat_in[i] for i in floats] + variables,
                                            output_gradients=grads)
                 for var, g in zip(variables, result[len(floats):]):
                     per_var.setdefault(id(var), []).append(g)
@@ -677,10 +709,17 @@ def _clone_layer(layer):
 # Small helpers
 
 
-def _concat(nests):
-    if len(nests) == 1:
-        return nests[0]
-    return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *nests)
+def _call_stage(stage, h, training):
+    """`stage.model(h)`, without Keras's warning that the stage "destroys" a mask on `h`.
+
+    A stage is a functional model, which Keras marks as not supporting masks and warns
+    about when its input carries one -- but a functional model hands its inputs' masks to
+    its layers, so the mask reaches the layers that use it, as in the unsplit model.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=f"Layer '{re.escape(stage.model.name)}' .*was passed an input with a mask")
+        return stage.model(h, training=training)
 
 
 def _batch_size(x):
