@@ -152,6 +152,15 @@ class PoolLimiter:
         return self.apply(self.threads)
 
 
+def preload():
+    """Imports threadpoolctl (~15-20 ms) if it is there: a worker calls it while it waits
+    for its target, so that applying the budget later costs only the libraries' calls."""
+    try:
+        import threadpoolctl  # noqa: F401
+    except ImportError:
+        pass
+
+
 def _limit_native(threads):
     """BLAS and OpenMP libraries through threadpoolctl: only those whose count differs (in
     a forked child, OpenBLAS starts its pool when told, even to the count it has)."""
@@ -165,7 +174,7 @@ def _limit_native(threads):
         stale = [i["filepath"] for i in controller.info() if i.get("num_threads") != threads]
         if stale:
             controller.select(filepath=stale).limit(limits=threads)
-        infos = threadpoolctl.ThreadpoolController().info()
+        infos = controller.info()  # read again: the counts are the libraries' own, now
     except Exception as exc:  # a library threadpoolctl cannot drive must not stop the worker
         return [], [f"BLAS/OpenMP: threadpoolctl failed: {type(exc).__name__}: {exc}"]
     pools = []

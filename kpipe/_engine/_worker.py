@@ -295,6 +295,7 @@ def serve(conn, parent_pid):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start_watchdog(parent_pid)
     worker = _Worker(conn, parent_pid)
+    _threads.preload()
     try:
         msg = conn.recv()
         try:
@@ -355,6 +356,7 @@ def _zygote_main():
     conn = Connection(fd)
     zygote = _Worker(conn, parent_pid)
     children = set()
+    _threads.preload()  # while the main process pickles the target
     try:
         try:
             zygote.load(conn.recv()[1])
