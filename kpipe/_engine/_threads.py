@@ -33,7 +33,9 @@ How a budget reaches each kind of worker (main -> worker messages: `_worker.py`)
                 after it, with the count it had: a forked child starts with 1 thread and
                 gets n - 1 more at its first matmul. Calling `openblas_set_num_threads`
                 in a child before that starts the pool at once, at the *old* size, even
-                when the count does not change -- hence "changes nothing" above.
+                when the count does not change -- hence "changes nothing" above. OpenBLAS
+                never shrinks a pool: a worker forked after the budget was lowered starts
+                as many threads as the server's pool ever had, the extra ones asleep.
     fork        the child of this process inherits the consumer's full-size pools and
                 applies the budget in `init` (threadpoolctl; its OpenBLAS then holds idle,
                 sleeping threads up to the consumer's pool size).
