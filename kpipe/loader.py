@@ -7,13 +7,14 @@ import operator
 import os
 import threading
 import time
+import warnings
 import weakref
 
 import keras
 import numpy as np
 
 from kpipe import _keras_hook
-from kpipe._engine import _ahead, _autoscale, _tree
+from kpipe._engine import _ahead, _autoscale, _threads, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._cursor import STATE_FORMAT, PassCursor
 from kpipe._engine._planner import EpochPlanner
@@ -77,7 +78,23 @@ class ProcessLoader(keras.utils.PyDataset):
             step) no longer waits. The CPUs are those this process may use (affinity
             and cgroup quota). Batches and their randomness do not depend on the
             worker count. Decisions are in `stats()["auto_decisions"]` and logged at
-            INFO on the `"kpipe"` logger. Defaults to 2.
+            INFO on the `"kpipe"` logger. Each worker process gets a thread budget
+            (`worker_threads`). Defaults to 2.
+        worker_threads: Threads each worker process's native pools may use -- BLAS
+            and OpenMP (NumPy's OpenBLAS, MKL, scikit-image...), OpenCV
+            (`cv2.setNumThreads`) and TensorFlow's intra/inter-op pools if the dataset
+            imports them -- so that workers x threads stay within the CPUs (such
+            pools are sized for the whole machine in every process, and N workers
+            each spinning a full BLAS pool ran 15x slower than one). None gives each
+            worker `max(1, CPUs // workers)` threads (the CPUs of `workers="auto"`:
+            affinity and cgroup quota), re-divided when `workers="auto"` changes the
+            count. Workers start with `OMP_NUM_THREADS`, `OPENBLAS_NUM_THREADS`,
+            `MKL_NUM_THREADS` and the like set to it, so libraries the dataset loads
+            later follow it too; TensorFlow's pools can only be set before its first
+            op in the worker. This process's pools are never limited; threads
+            (`use_threads=True`) and `workers=0` share them, so no budget applies
+            there. `stats()["worker_threads"]` and `["worker_thread_pools"]` say
+            what each worker got. Defaults to None.
         max_queue_size: Most batches loaded ahead of the consumer; bounds memory to
             about `max_queue_size` batches. The loader starts with two per worker
             (enough to keep every worker busy when batches take similar times) and
@@ -168,6 +185,7 @@ class ProcessLoader(keras.utils.PyDataset):
         dataset,
         *,
         workers=2,
+        worker_threads=None,
         max_queue_size=None,
         max_queue_bytes=None,
         shuffle=False,
@@ -201,6 +219,13 @@ class ProcessLoader(keras.utils.PyDataset):
         _check_dataset(dataset)
         self.dataset = dataset
         self.num_workers = workers
+        self.worker_threads = _threads.check(worker_threads)
+        if self.worker_threads is not None and (workers == 0 or use_threads):
+            warnings.warn(
+                f"`worker_threads` has no effect with {'workers=0' if workers == 0 else 'use_threads=True'}: batches load "
+                f"in this process, whose thread pools kpipe leaves alone. Received: worker_threads={worker_threads}. "
+                "Drop it, or use worker processes.", stacklevel=2,
+            )
         self.shuffle = bool(shuffle)
         self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else _check_int("seed", seed, 0, "")
         self.start_method = start_method or _default_start_method()
@@ -371,7 +396,12 @@ class ProcessLoader(keras.utils.PyDataset):
         `on_epoch_end`, what the wait at each pass end costs the consumer -- see
         `epoch_end_ahead`), `first_batch_s` (construction to first batch),
         `restarts`, `workers` (now), `pids`, `queue_depth` (batches the loader now keeps
-        in flight, at most `max_queue_size`), and with `workers="auto"`: `cpu_limit`,
+        in flight, at most `max_queue_size`), `worker_threads` (the thread budget of
+        each worker process now; None without worker processes), `worker_thread_pools`
+        (per worker taking tasks, as it last reported: `worker`, `pid`, `threads`,
+        `pools` -- each library limited, with `library`, `api`, `file` and its
+        `threads` -- and `not_limited`, what kept its size and why), and with
+        `workers="auto"`: `cpu_limit`,
         `max_workers` and `auto_decisions` (the last 100 changes of the worker count,
         oldest first: `t` seconds since construction, `workers_from`, `workers_to`,
         `reason` and the figures it rests on), and with `epoch_end_ahead=True`: `ahead`
@@ -383,6 +413,9 @@ class ProcessLoader(keras.utils.PyDataset):
             out["queue_depth"] = self._limit()
             out["workers"] = self.num_workers
             out["pids"] = list(self._backend.pids) if self._backend is not None else []
+            processes = isinstance(self._backend, ProcessBackend) and not self._backend.closed
+            out["worker_threads"] = self._backend.worker_threads if processes else None
+            out["worker_thread_pools"] = self._backend.thread_pools() if processes else []
             if self._ahead_stats is not None:
                 out["ahead"] = dict(self._ahead_stats)
             if self._autoscaler is not None:
@@ -837,6 +870,7 @@ class ProcessLoader(keras.utils.PyDataset):
                 keep_idle=self.max_queue_size + (auto.max_workers if auto else self.num_workers),
                 max_workers=auto.max_workers if auto else None,
                 keep_payload=self._ahead_enabled(),
+                worker_threads=self.worker_threads,
                 **common,
             )
             if auto is not None:

@@ -15,7 +15,12 @@ differences over the window:
                       hand-over): its demand is 1/s batches per second
     batch time   b0 = worker wall time per batch, minus the time it sat in the CPU run
                       queue (Linux schedstat): what a batch costs an uncontended worker
-    worker CPU   c  = worker CPU time per batch (c << b0: I/O-bound, e.g. waits on files)
+    worker CPU   c  = worker CPU time per batch (c << b0: I/O-bound, e.g. waits on files),
+                      at most its wall time: a worker counts as one CPU at most, though
+                      its native pools may run several threads -- as many as its thread
+                      budget, `max(1, floor(limit) // workers)` (NOTE in `_threads.py`),
+                      so that workers x threads stay within the limit at every count and
+                      each worker added divides the CPUs again instead of adding threads
     main CPU     m  = main-process CPU time per batch (the training step's CPU use too)
     stolen       f  = share of the CPUs' busy time the hypervisor gave to other guests
                       (/proc/stat "steal" of the affinity CPUs; 0 on bare metal)

@@ -79,7 +79,10 @@ in `_procs`; they take tasks at once. `retire_worker` marks the worker with the 
 id `retiring`: it gets no new task, and once its pending tasks are answered it is sent
 `stop` (`stopped`); its EOF is then no death, and it is reaped without waiting
 (`_reap_retired`, or by `shutdown` like every other worker). Ids stay unique among the
-processes alive; a new worker takes the lowest free one.
+processes alive; a new worker takes the lowest free one. Both re-divide the CPUs among
+the workers taking tasks (`_rebudget`): each running worker gets a `threads` message with
+its new thread budget before new workers start (which start with it), and after one
+retires (NOTE in `_threads.py`).
 
 Failures: every wait is a `poll` on the worker sockets and process sentinels with a
 deadline (one poll set, kept while the workers stay the same), and so is every write:
@@ -127,7 +130,7 @@ import time
 import weakref
 from multiprocessing import connection as mp_connection
 
-from kpipe._engine import _pickling, _procs, _tree, _wire
+from kpipe._engine import _autoscale, _pickling, _procs, _threads, _tree, _wire
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._shm import SlotPool, fd_limit_error, is_fd_exhaustion, plan_layout, raise_fd_limit, take_interrupt
 from kpipe._engine._procs import WORKER_ENV as _WORKER_ENV  # noqa: F401 (scripts/bench_loaders.py)
@@ -194,7 +197,7 @@ class ProcessBackend:
     processes. Used from one thread at a time."""
 
     def __init__(self, target, *, num_workers, mode, start_method, timeout, seed, name, keep_idle, max_workers=None,
-                 keep_payload=False):
+                 keep_payload=False, worker_threads=None):
         if start_method not in _START_METHODS:
             raise ValueError(
                 f"Invalid value for argument `start_method`. Received: start_method={start_method!r}. "
@@ -210,6 +213,11 @@ class ProcessBackend:
         self.name = name
         self.timeout = timeout  # seconds; None or inf: no limit
         self._mode = mode
+        # Threads per worker for its native pools (see the NOTE in _threads.py): fixed, or
+        # max(1, CPUs // workers), sent again when the worker count changes.
+        self._threads_fixed = _threads.check(worker_threads)
+        self._cpu_limit = _autoscale.cpu_limit()
+        self._threads = _threads.budget(self._cpu_limit, num_workers, self._threads_fixed)
         raise_fd_limit()  # once per process: one descriptor per live slot adds up
         self._slots = SlotPool(keep_idle=keep_idle)
         self._shared = _pickling.SharedArrays()
@@ -237,7 +245,7 @@ class ProcessBackend:
             if start_method == "forkserver":
                 # Start the server first: its interpreter and imports (~0.2 s) overlap
                 # with pickling the dataset here.
-                self._zygote = _procs.start_process(_procs.spawn_exec, -1, os.getpid(), "_zygote_main")
+                self._zygote = _procs.start_process(_procs.spawn_exec, -1, os.getpid(), "_zygote_main", self._threads)
                 self._zygote.is_zygote = True
                 self._procs.append(self._zygote)  # last in the list: stopped after the workers
             payload, keys = _pickling.dumps(target, self._shared, what=f"`{name}`")
@@ -257,7 +265,8 @@ class ProcessBackend:
     def _start_forked(self, num_workers, seed, mode, payload, keys):
         """Sends the fork server its target, then has it fork every worker (ms each)."""
         zygote = self._zygote
-        cfg = {"mode": mode, "sys_path": [p for p in sys.path if p], "payload": payload, "array_keys": keys}
+        cfg = {"mode": mode, "sys_path": [p for p in sys.path if p], "payload": payload, "array_keys": keys,
+               "threads": self._threads}
         deadline = _wire.deadline_after(self.timeout)
         self._send(zygote, ("init", cfg), [self._shared.fd(k) for k in keys], deadline)
         self._zygote_keys = keys
@@ -269,7 +278,7 @@ class ProcessBackend:
 
         zygote = self._zygote
         for wid in ids:
-            self._send(zygote, ("fork", wid, self._info_workers, _wi.derive_seed(self._seed, wid)), (), deadline)
+            self._send(zygote, ("fork", wid, self._info_workers, _wi.derive_seed(self._seed, wid), self._threads), (), deadline)
         workers = []
         while len(workers) < len(ids):
             msg = self._recv_zygote(deadline)
@@ -294,10 +303,12 @@ class ProcessBackend:
 
     def _spawn_workers(self, ids):
         """Starts workers `ids` as fresh interpreters and sends each the current target."""
-        spawn = _procs.spawn_exec if self._start_method == "spawn" else _procs.spawn_fork
         procs = []
         for wid in ids:  # all start at once; each reads its init when up
-            proc = _procs.start_process(spawn, wid, os.getpid())
+            if self._start_method == "spawn":
+                proc = _procs.start_process(_procs.spawn_exec, wid, os.getpid(), "_exec_main", self._threads)
+            else:
+                proc = _procs.start_process(_procs.spawn_fork, wid, os.getpid())
             procs.append(proc)
             self._procs.insert(len(self._workers), proc)
         deadline = _wire.deadline_after(self.timeout)
@@ -310,6 +321,7 @@ class ProcessBackend:
                 "sys_path": [p for p in sys.path if p],
                 "payload": self._payload,
                 "array_keys": self._keys,
+                "threads": self._threads,
             }
             self._send(proc, ("init", cfg), [self._shared.fd(k) for k in self._keys], deadline)
             proc.array_keys = set(self._keys)
@@ -350,6 +362,7 @@ class ProcessBackend:
         used = {p.id for p in self._workers}
         ids = [i for i in range(len(used) + count) if i not in used][:count]
         try:
+            self._rebudget(len(self._active) + count)  # the running workers first: fewer threads each
             if self._zygote is not None:
                 self._fork_workers(ids, _wire.deadline_after(self.timeout))
             else:
@@ -373,7 +386,39 @@ class ProcessBackend:
         proc = max(live, key=lambda p: p.id)
         proc.retiring = True
         self._stop_if_idle(proc)
+        self._rebudget(len(self._active))  # the ones left may use more threads
         return proc.id
+
+    # ------------------------------------------------------------- thread budget
+    @property
+    def worker_threads(self):
+        """Threads each worker's native pools may use now (see `_threads.py`)."""
+        return self._threads
+
+    def thread_pools(self):
+        """What the budget set in each worker taking tasks, as it last reported (workers
+        report after starting and after each change): a list, by worker id, of
+        `{"worker", "pid", "threads", "pools", "not_limited"}` -- `pools` one entry per
+        library (`library`, `api`, `file`, `threads`), `not_limited` what could not be
+        limited and why. A worker that has not reported yet shows `threads` None."""
+        out = []
+        for p in sorted(self._active, key=lambda p: p.id):
+            report = p.pools or {"threads": None, "pools": [], "not_limited": []}
+            out.append({"worker": p.id, "pid": p.pid, **report})
+        return out
+
+    def _rebudget(self, workers):
+        """Sends every worker taking tasks the budget for `workers` workers, if it changed
+        (without waiting: it applies between tasks). A worker found dead keeps the error
+        for `get`, as with a task."""
+        threads = _threads.budget(self._cpu_limit, workers, self._threads_fixed)
+        if threads == self._threads:
+            return
+        self._threads = threads
+        deadline = _wire.deadline_after(self.timeout)
+        for proc in self._active:
+            if proc.dead_error is None:
+                self._send(proc, ("threads", threads), (), deadline, defer=True)
 
     def _stop_if_idle(self, proc):
         if proc.retiring and not proc.stopped and not proc.pending:
@@ -852,6 +897,8 @@ class ProcessBackend:
                 self._stop_if_idle(proc)
         elif kind == "state-ok":
             proc.pending.remove("state")
+        elif kind == "threads":
+            proc.pools = msg[1]
         elif kind == "prepared":
             proc.pending.remove(_PREPARE)
             self._count_setup(msg[2], self._slot_bytes)

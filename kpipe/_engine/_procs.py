@@ -17,7 +17,7 @@ import threading
 import time
 
 import kpipe
-from kpipe._engine import _wire
+from kpipe._engine import _threads, _wire
 from kpipe.errors import LoaderError
 
 JOIN_TIMEOUT_S = 2.0
@@ -69,6 +69,7 @@ class Proc:
         self.retiring = False  # gets no new tasks; is stopped once it has none (workers="auto")
         self.stopped = False  # was sent `stop` while the pool goes on
         self.last_task = -1  # seq of the last task it was given (ties go round-robin)
+        self.pools = None  # what its thread budget set, as it last reported (_threads.PoolLimiter)
 
     def exitcode(self, wait_s=0.0):
         h = self.handle
@@ -207,15 +208,18 @@ def start_process(fn, *args):
         raise LoaderError(f"kpipe could not start a worker process within {SPAWN_TIMEOUT_S:.0f} s.") from None
 
 
-def spawn_exec(wid, parent_pid, entry="_exec_main"):
+def spawn_exec(wid, parent_pid, entry="_exec_main", threads=None):
     """Starts a fresh interpreter running `kpipe._engine._worker.<entry>`; it never
     re-imports `__main__` (unlike multiprocessing's spawn), so a script's top-level
-    `import tensorflow` does not run again in workers."""
+    `import tensorflow` does not run again in workers. With `threads`, its native thread
+    pools start at that size (`_threads.env`: NumPy's OpenBLAS loads with the worker)."""
     import socket
     from multiprocessing.connection import Connection
 
     ours, theirs = socket.socketpair()
     env = dict(os.environ, **WORKER_ENV)
+    if threads is not None:
+        env.update(_threads.env(threads))
     root = os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     code = f"from kpipe._engine._worker import {entry}; {entry}()"

@@ -10,10 +10,18 @@ Protocol (main -> worker, over one Unix socket, after `init`):
   ("task", seq, key, out_slot, inputs, fds, close, drop, seed) then the fds of the slots in `fds`
   ("state", payload, new_keys, drop_keys)                then the fds of the new arrays
   ("prepare", slot, nbytes, fds, close, drop)           then the fds of the slots in `fds`
+  ("threads", n)                                        the thread budget changed
   ("stop",)
 worker -> main:
   ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s, cpu_s, runq_s, setup_s)
-  ("error", seq, exc) | ("state-ok",) | ("prepared", slot, setup_s)
+  ("error", seq, exc) | ("state-ok",) | ("prepared", slot, setup_s) | ("threads", report)
+
+Thread budget: `cfg["threads"]` (and `("threads", n)` later) is how many threads the
+worker's native pools (BLAS, OpenMP, OpenCV, TensorFlow) may use; the worker sets the
+environment before unpickling the target, limits what is loaded after, and answers each
+application with `("threads", report)` (unasked too, after a message during which the
+dataset imported modules: they may bring pools of their own). The NOTE in `_threads.py`
+says how each start method gets it; the consumer process is never limited.
 
 `prepare` has an idle worker allocate and map the first `nbytes` of a new slot (what its
 first batch there would otherwise pay; see the NOTE in `_pool.py`).
@@ -56,13 +64,14 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from kpipe._engine import _alloc, _pickling, _tree
+from kpipe._engine import _alloc, _pickling, _threads, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._shm import Segment, plan_layout, setup_seconds
 from kpipe._engine._wire import recv_fds, send_fds
 
 _PARENT_POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1
+_UNSET = object()
 
 
 def pack_exception(exc):
@@ -139,6 +148,7 @@ class _Worker:
         self.target = None
         self.mode = None
         self.runq = _RunQueueClock()
+        self.pools = _threads.PoolLimiter()
 
     def _adopt_arrays(self, keys):
         for key, fd in zip(keys, recv_fds(self.conn, len(keys))):
@@ -177,13 +187,26 @@ class _Worker:
                 seg.adopt_fd(fd)
 
     def load(self, cfg):
-        """Receives the shared arrays and unpickles the target."""
+        """Receives the shared arrays and unpickles the target, within the thread budget
+        `cfg["threads"]`: set in the environment first, so that libraries the target
+        imports start with it, and applied to every pool loaded after unpickling."""
         self._adopt_arrays(cfg["array_keys"])
         for path in reversed(cfg["sys_path"]):
             if path not in sys.path:
                 sys.path.insert(0, path)
         self.mode = cfg["mode"]
+        threads = cfg.get("threads")
+        if threads is not None:
+            self.pools.set_env(threads)
         self.target = _pickling.loads(cfg["payload"], self.arrays)
+        if threads is not None:
+            self.pools.apply(threads)
+
+    def send_pools(self, report=_UNSET):
+        """Sends the main process what the thread budget set (`report`, default: the last)."""
+        report = self.pools.report if report is _UNSET else report
+        if report is not None:
+            self.conn.send(("threads", report))
 
     @staticmethod
     def become(worker_id, num_workers, seed):
@@ -258,8 +281,12 @@ class _Worker:
                     return
                 self._drop_arrays(drop_keys)
                 conn.send(("state-ok",))
+            elif kind == "threads":
+                self.send_pools(self.pools.apply(msg[1]))
+                continue
             elif kind == "stop":
                 return
+            self.send_pools(self.pools.refresh())  # the message imported modules: new pools?
 
 
 def serve(conn, parent_pid):
@@ -268,6 +295,7 @@ def serve(conn, parent_pid):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start_watchdog(parent_pid)
     worker = _Worker(conn, parent_pid)
+    _threads.preload()
     try:
         msg = conn.recv()
         try:
@@ -276,6 +304,7 @@ def serve(conn, parent_pid):
             conn.send(("init-error", pack_exception(exc)))
             return
         conn.send(("ready", os.getpid()))
+        worker.send_pools()
         worker.serve()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the main process closed the loader or died
@@ -311,11 +340,13 @@ def _zygote_main():
     that unpickles the target once, then forks each worker on request.
 
     `python -c '...; _zygote_main()' FD PARENT_PID`. Protocol on FD:
-      main -> ("init", cfg) + array fds;  ("fork", worker_id, num_workers, seed);  ("stop",)
+      main -> ("init", cfg) + array fds;  ("fork", worker_id, num_workers, seed, threads);  ("stop",)
       zygote -> ("ready", pid) | ("init-error", exc);  ("forked", worker_id, pid) + socket fd;
                 ("exited", pid, exit_code) for every child it reaps.
     A forked worker inherits the unpickled target (copy-on-write) and starts in
-    milliseconds; it talks to the main process over its own socket.
+    milliseconds; it talks to the main process over its own socket. It inherits the
+    thread budget too: the server applies `threads` to itself before forking when it
+    changed (the child then touches no pool; see the NOTE in `_threads.py`).
     """
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
     # No watchdog thread here (it would make every fork multi-threaded): the server never
@@ -325,6 +356,7 @@ def _zygote_main():
     conn = Connection(fd)
     zygote = _Worker(conn, parent_pid)
     children = set()
+    _threads.preload()  # while the main process pickles the target
     try:
         try:
             zygote.load(conn.recv()[1])
@@ -337,7 +369,9 @@ def _zygote_main():
                 msg = conn.recv()
                 if msg[0] == "stop":
                     break
-                _, wid, num_workers, seed = msg
+                _, wid, num_workers, seed, threads = msg
+                if threads != zygote.pools.threads:  # workers="auto" changed the budget
+                    zygote.pools.apply(threads)  # the child inherits it (see _threads.py)
                 ours, theirs = socket.socketpair()
                 server_pid = os.getpid()
                 pid = os.fork()
@@ -352,6 +386,7 @@ def _zygote_main():
                         zygote.parent_pid = server_pid
                         zygote.become(wid, num_workers, seed)
                         zygote.conn.send(("ready", os.getpid()))
+                        zygote.send_pools()
                         zygote.serve()
                     except (EOFError, BrokenPipeError, ConnectionResetError):
                         pass

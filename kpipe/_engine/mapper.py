@@ -25,6 +25,8 @@ class ProcessMapper:
         seed: Seeds `random`/`numpy.random` in each worker (per worker id). Defaults
             to None (random).
         start_method: `"spawn"` or `"fork"` (see `ProcessLoader`). Defaults to spawn.
+        worker_threads: Threads each worker's BLAS/OpenMP/OpenCV pools may use (see
+            `ProcessLoader`). Defaults to None (`max(1, CPUs // workers)`).
 
     Use from one thread at a time. Example:
 
@@ -35,7 +37,8 @@ class ProcessMapper:
     [0, 2, 4, 6]
     """
 
-    def __init__(self, fn, *, workers=2, max_in_flight=None, timeout=_DEFAULT_TIMEOUT_S, seed=None, start_method=None):
+    def __init__(self, fn, *, workers=2, max_in_flight=None, timeout=_DEFAULT_TIMEOUT_S, seed=None, start_method=None,
+                 worker_threads=None):
         if not callable(fn):
             raise TypeError(f"`fn` must be callable. Received: fn={fn!r}.")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
@@ -56,6 +59,7 @@ class ProcessMapper:
                 seed=int.from_bytes(os.urandom(4), "little") if seed is None else int(seed),
                 name=name,
                 keep_idle=2 * self.max_in_flight + workers,
+                worker_threads=worker_threads,
             )
 
     def imap(self, iterable):

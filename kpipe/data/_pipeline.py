@@ -68,7 +68,9 @@ def pipeline(
             process to learn its output shapes, unless `py_output_signature` is given.
             Its outputs must have the same shape for every sample. The workers are kept
             between epochs and stopped after 30 s without use. Defaults to None.
-        workers: Worker processes for `py_map_fn`. Defaults to None (one per CPU core).
+        workers: Worker processes for `py_map_fn`. Each one's BLAS/OpenMP/OpenCV
+            thread pools get `max(1, CPUs // workers)` threads (as `ProcessLoader`'s
+            `worker_threads`). Defaults to None (one per CPU core).
         shuffle: Shuffle buffer in samples, True for a default buffer (10,000 samples, or
             fewer so that it holds at most ~512 MiB), or None/False/0 for no shuffling.
             Defaults to None.
