@@ -13,9 +13,15 @@ the ratio to the best fixed count. For "auto", the workers it ended with and its
       (Dense 12288 -> 256 -> 10, TensorFlow limited to one intra-op thread): the workers
       share the machine with training, so the best count is not "all cores". Samples/s
       of the training steps after the first.
+  blas small linear algebra per batch (a 160x160 float32 matrix, six `tanh(a @ a.T)`; 60
+      batches per epoch, 5 epochs): NumPy's BLAS has a thread pool of its own in every
+      worker, so more workers can be slower than one (issue #30). Printed against its
+      targets: workers=2 >= 1.3x workers=1, "auto" >= 0.9x the best fixed count, no fixed
+      count below 0.8x workers=1 (PASS/MISS lines; nothing asserted).
 
-    python scripts/bench_auto.py                       # a, c and fit, counts 1,2,4,8,16
+    python scripts/bench_auto.py                       # a, c, fit and blas, counts 1,2,4,8,16
     python scripts/bench_auto.py --workloads c --epochs c=20 --json auto.json
+    python scripts/bench_auto.py --workloads blas --counts 1,2,4
 """
 
 import argparse
@@ -31,8 +37,8 @@ import bench_loaders as bl  # noqa: E402  (its datasets and page-touching consum
 
 import kpipe  # noqa: E402  (bench_loaders put the repository first on sys.path)
 
-_WORKLOADS = ("a", "c", "fit")
-_EPOCHS = "a=10,c=10,fit=4"
+_WORKLOADS = ("a", "c", "fit", "blas")
+_EPOCHS = "a=10,c=10,fit=4,blas=5"
 
 
 def run(make, workers, epochs):
@@ -123,6 +129,7 @@ def main(argv=None):
         "a": lambda: bl.Augment(num_images=int(2048 * scale)),
         "c": lambda: bl.Waits(n=max(8, int(48 * scale))),
         "fit": lambda: bl.Augment(num_images=int(2048 * scale)),
+        "blas": lambda: bl.Blas(n=max(8, int(60 * scale))),
     }
     rows = []
     for w in workloads:
@@ -153,9 +160,15 @@ def main(argv=None):
             changes = " ".join(f"{d['workers_from']}->{d['workers_to']}@{d['t']:.1f}s" for d in r["auto_decisions"])
             extra = f"  {r['workers_end']} ({changes or 'none'})"
         print(f"{r['workload']:<10}{r['workers']!s:>9}{r['samples_per_s']:>12.1f}{r['x_best_fixed']:>14.2f}{extra}")
+    checks = []
+    if "blas" in workloads:
+        checks = bl.blas_checks({r["workers"]: r["samples_per_s"] for r in rows if r["workload"] == "blas"})
+        print("\nTargets (blas):")
+        bl.print_checks(checks)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
+            json.dump({"rows": rows, "targets": [{"name": n, "measured": v, "target": t} for n, v, t in checks],
+                       "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Loader throughput, side by side in one run: serial, Keras PyDataset (threads and
-multiprocessing), tf.data + tf.numpy_function, kpipe.ProcessLoader, and the ceiling.
+multiprocessing), tf.data + tf.numpy_function, kpipe.ProcessLoader, the peers (Grain's
+two APIs and PyTorch's DataLoader, where installed), and the ceiling.
 
 Workloads (issue #2):
   a        64x64x3 uint8 images with NumPy augmentation (crop, flip, jitter), batch 64
@@ -14,6 +15,39 @@ Workloads (issue #2):
            makes it wait at each pass end (as Keras does) for the last batch to be taken
            and the new state to reach the workers -- b against b-fixed is that cost
   c        5 ms of waiting (I/O) per sample, batch 32
+  blas     small linear algebra per batch: a 160x160 float32 matrix put through six
+           `tanh(a @ a.T)` (60 batches per epoch), run at every count of
+           `--blas-workers` (default 1,2,4) and, for kpipe, at workers="auto": NumPy's
+           BLAS pool in each worker, sized for the whole machine, can make more workers
+           slower than one (issue #30). Printed as a grid of batches/s with multiples of
+           the serial loop and of the same loader at workers=1, and the issue's targets
+           (workers=2 >= 1.3x workers=1; "auto" >= 0.9x the best fixed count; no fixed
+           count below 0.8x workers=1) as PASS/MISS lines
+
+Peers, each with the same worker count as kpipe (`--workers`; `--io-workers` for c@N,
+each count for blas), timed by the same rules (samples/s after the warm-up epochs, best
+of the rounds, at least `--min-seconds`); a peer whose package does not import is
+skipped, with its reason printed and under "skipped" in the JSON:
+  grain-loader   `grain.DataLoader(data_source=..., sampler=IndexSampler(..., num_epochs=
+                 None), operations=[..., Batch(B)], worker_count=W)`
+  grain-dataset  `grain.MapDataset.source(...)[.shuffle()][.random_map()].repeat()
+                 .to_iter_dataset()[.batch(B)].mp_prefetch(MultiprocessingOptions(num_workers=W))`
+  torch          `torch.utils.data.DataLoader(ds, batch_size=None, num_workers=W,
+                 persistent_workers=True)` on the PyDataset itself (its items are batches)
+Grain is written as its docs write a pipeline: one record per sample where the workload
+works per sample (a: the stored image, then the augmentation as a random map with
+Grain's per-record generator; b: one HDF5 read per record, in Grain's shuffle, a new
+order each epoch; c: one 5 ms wait per record), batched by Grain; in b-direct and blas
+a record is a whole batch (one read, one matrix), with no batch step. Its `ReadOptions`
+follow its docs: no reading threads for in-memory or computed records (a, blas), its
+default 16 threads and 500-record buffer per worker process otherwise (b, b-direct, c:
+in c that is 16 waits at once per worker). Grain and PyTorch run one iterator on across
+epochs (their workers persist), taking one epoch's batches at a time; neither runs the
+PyDataset's `on_epoch_end`. Grain starts its workers with "spawn": each imports this
+script again, and so Keras and TensorFlow, as it would a Keras training script -- that
+is in their first batch and peak RSS. Install Grain with `pip install -e '.[bench]'`
+(Python >= 3.11), PyTorch with `pip install torch --index-url
+https://download.pytorch.org/whl/cpu`.
 
 The ceiling is the same per-batch work done by `--workers` bare processes that return
 nothing (no hand-off at all), set up as kpipe's workers are: each fills one reused
@@ -77,9 +111,12 @@ populate. Without the warm-up, whichever loader allocates new memory early in it
     python scripts/bench_loaders.py --workloads b,b-direct
     python scripts/bench_loaders.py --json out.json
     python scripts/bench_loaders.py --workloads b --min-seconds 0   # 8 epochs, however short
+    python scripts/bench_loaders.py --workloads blas --blas-workers 1,2,4,8
 """
 
 import argparse
+import gc
+import itertools
 import json
 import os
 import statistics
@@ -119,13 +156,24 @@ class Augment(keras.utils.PyDataset):
         idx = np.arange(i * self.batch, (i + 1) * self.batch)
         out = kpipe.empty((self.batch, 64, 64, 3), dtype=np.float32)  # numpy.empty outside kpipe workers
         for k, j in enumerate(idx):
-            dy, dx = rng.integers(0, 9, size=2)
-            img = self.images[j, dy : dy + 64, dx : dx + 64].astype(np.float32)
-            if rng.random() < 0.5:
-                img = img[:, ::-1]
-            img = (img - img.mean()) * rng.uniform(0.8, 1.2) + img.mean() + rng.uniform(-20, 20)
-            out[k] = np.clip(img, 0, 255) * (1.0 / 255.0)
+            out[k] = augment(self.images[j], rng)
         return out, self.labels[idx]
+
+    def grain_plan(self):
+        """The same work as Grain's docs write it: stored records, a random map, a batch."""
+        n = len(self) * self.batch
+        return GrainPlan(AugmentRecords(self.images[:n], self.labels[:n]), self.batch, AugmentMap(), in_memory=True)
+
+
+def augment(image, rng):
+    """One sample of (a): a random 64x64 crop of a 72x72x3 uint8 `image`, a random flip
+    and brightness/contrast jitter, as float32 in [0, 1]."""
+    dy, dx = rng.integers(0, 9, size=2)
+    img = image[dy : dy + 64, dx : dx + 64].astype(np.float32)
+    if rng.random() < 0.5:
+        img = img[:, ::-1]
+    img = (img - img.mean()) * rng.uniform(0.8, 1.2) + img.mean() + rng.uniform(-20, 20)
+    return np.clip(img, 0, 255) * (1.0 / 255.0)
 
 
 class H5Contiguous(keras.utils.PyDataset):
@@ -157,6 +205,10 @@ class H5Contiguous(keras.utils.PyDataset):
         f["x"].read_direct(x, np.s_[s])
         return x, f["y"][s]
 
+    def grain_plan(self):
+        """One read per batch is the workload: Grain's records are these batches (no batch step)."""
+        return GrainPlan(self, None)
+
 
 class H5Samples(H5Contiguous):
     """(b) The same file read as a shuffled training loader does: samples in a new random
@@ -173,11 +225,15 @@ class H5Samples(H5Contiguous):
         x = kpipe.empty((self.batch, 224, 224, 3), np.float32)  # numpy.empty outside kpipe workers
         images = f["x"]
         for k, j in enumerate(idx):
-            x[k] = images[j].astype(np.float32) * (1 / 255)
+            x[k] = scale_image(images[j])
         return x, f["y"][np.sort(idx)]
 
     def on_epoch_end(self):
         self.epoch += 1
+
+    def grain_plan(self):
+        """Grain's form: one record per sample, shuffled anew each epoch by Grain, batched."""
+        return GrainPlan(H5Records(self.path, self.n * self.batch), self.batch, shuffle=True)
 
 
 class H5SamplesFixed(H5Contiguous):
@@ -185,6 +241,7 @@ class H5SamplesFixed(H5Contiguous):
     `on_epoch_end` (nothing changes between passes)."""
 
     __getitem__ = H5Samples.__getitem__
+    grain_plan = H5Samples.grain_plan  # (Grain has no pass-end hook either way)
     epoch = 0
 
 
@@ -202,6 +259,124 @@ class Waits(keras.utils.PyDataset):
         for _ in range(self.batch):
             time.sleep(self.wait_s)
         return np.full((self.batch, 16), i, dtype=np.float32), np.zeros(self.batch, dtype=np.int64)
+
+    def grain_plan(self):
+        """Grain's form: one 5 ms wait per record, batched."""
+        return GrainPlan(WaitRecords(self.n * self.batch, self.batch, self.wait_s), self.batch)
+
+
+_BLAS_SIZE = 160  # the BLAS workload's matrix side: rows (samples) per batch
+
+
+class Blas(keras.utils.PyDataset):
+    """(blas) Small linear algebra per batch: a 160x160 float32 matrix put through six
+    `tanh(a @ a.T)` (160 samples of 160 features out). NumPy's BLAS runs the products
+    with its own thread pool, sized for the whole machine unless something limits it:
+    in each of several worker processes, that pool oversubscribes the CPUs."""
+
+    def __init__(self, n=60, size=_BLAS_SIZE, rounds=6, **kw):
+        super().__init__(**kw)
+        self.n, self.size, self.rounds = n, size, rounds
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        a = np.random.default_rng(i).standard_normal((self.size, self.size), dtype=np.float32)
+        for _ in range(self.rounds):
+            a = np.tanh(a @ a.T)
+        return a, np.zeros(self.size, dtype=np.int64)
+
+    def grain_plan(self):
+        """A batch is one matrix: Grain's records are these batches (no batch step)."""
+        return GrainPlan(self, None, in_memory=True)
+
+
+def scale_image(image):
+    """One sample of (b): a uint8 image as float32 in [0, 1] (600 KB at 224x224x3)."""
+    return image.astype(np.float32) * (1 / 255)
+
+
+# ----------------------------------------------------------------- Grain's form of each workload
+class GrainPlan:
+    """A workload as Grain's docs write a pipeline: a random-access `source` of records,
+    an optional per-record `random_map` (a `random_map(element, rng)` object), then a
+    batch of `batch_size` records (None: the records are whole batches already), with
+    Grain's own shuffle (a new order each epoch) where the workload shuffles.
+
+    `in_memory`: the records are in memory or computed, for which Grain's `ReadOptions`
+    advise no reading threads (`num_threads=0`: they would only contend for the GIL);
+    otherwise its default (16 threads and a 500-record buffer per worker process)."""
+
+    def __init__(self, source, batch_size, random_map=None, *, shuffle=False, in_memory=False):
+        self.source, self.batch_size, self.random_map = source, batch_size, random_map
+        self.shuffle, self.in_memory = shuffle, in_memory
+
+    def batches_per_epoch(self):
+        return len(self.source) // (self.batch_size or 1)
+
+
+class AugmentRecords:
+    """(a) for Grain: record `j` is the stored 72x72x3 uint8 image and its label."""
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, j):
+        return self.images[j], self.labels[j]
+
+
+class AugmentMap:
+    """(a)'s per-sample augmentation as a Grain random map (`augment` with Grain's
+    per-record generator). Registered as a `grain.transforms.RandomMap` when Grain runs."""
+
+    def random_map(self, element, rng):
+        image, label = element
+        return augment(image, rng), label
+
+    def __call__(self, element, rng):
+        return self.random_map(element, rng)
+
+
+class H5Records:
+    """(b) for Grain: record `j` is sample `j` of the HDF5 file scaled to float32, with its
+    label (the labels are read once per process; the file is opened lazily in each)."""
+
+    def __init__(self, path, n):
+        self.path, self.n = path, n
+        self._h5 = self._y = None
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, j):
+        if self._h5 is None:  # (Grain's reading threads may race here: the labels go first)
+            import h5py
+
+            f = h5py.File(self.path, "r")
+            self._y = f["y"][: self.n]
+            self._h5 = f
+        return scale_image(self._h5["x"][j]), self._y[j]
+
+    def __getstate__(self):
+        return {"path": self.path, "n": self.n, "_h5": None, "_y": None}
+
+
+class WaitRecords:
+    """(c) for Grain: each record waits 5 ms, then is 16 float32s (its batch's index)."""
+
+    def __init__(self, n, batch, wait_s):
+        self.n, self.batch, self.wait_s = n, batch, wait_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, j):
+        time.sleep(self.wait_s)
+        return np.full(16, j // self.batch, dtype=np.float32), np.int64(0)
 
 
 def make_h5(path, mb):
@@ -397,13 +572,14 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=
         inner = make()
     t0 = time.perf_counter()  # the dataset exists; the loader is constructed from here on
     if kind.startswith("kpipe"):
-        ds = kpipe.ProcessLoader(inner, workers=workers, max_queue_size=max_queue, use_threads=kind == "kpipe-threads",
-                                 epoch_end_ahead=kind == "kpipe-ahead")
+        ds = kpipe.ProcessLoader(inner, workers=workers, max_queue_size=None if workers == "auto" else max_queue,
+                                 use_threads=kind == "kpipe-threads", epoch_end_ahead=kind == "kpipe-ahead")
     adapter = PyDatasetAdapter(ds, shuffle=False)
     start = []
     # Where the CPU time goes while kpipe is timed (see CpuWindow): from its first batch,
     # or from the first timed epoch after a warm-up.
-    cpu = CpuWindow() if kind.startswith("kpipe") else None
+    # (not with workers="auto": the workers it adds later would go uncounted)
+    cpu = CpuWindow() if kind.startswith("kpipe") and workers != "auto" else None
     begin = None if cpu is None else (lambda: cpu.begin(ds.stats()["pids"]))
     for epoch in _timed_epochs(counts, start, warmup, epochs, min_seconds):
         if warmup and epoch == warmup and begin is not None:
@@ -417,9 +593,15 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=
         ahead = ds.stats()["ahead"]
         print(f"    kpipe-ahead: passes loaded ahead of on_epoch_end kept {ahead['kept']}, missed {ahead['missed']}, "
               f"skipped {ahead['skipped']}{'; off: ' + ahead['off'] if ahead['off'] else ''}", flush=True)
+    info = {}
+    if kind.startswith("kpipe"):
+        stats = ds.stats()
+        info["workers_end"] = stats["workers"]
+        # what the loader says of its workers' native threads, where it says anything
+        info.update({key: value for key, value in stats.items() if "thread" in key})
     if hasattr(ds, "close"):
         ds.close()
-    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0], shares, _rate(counts, start, end, 0)
+    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0], shares, _rate(counts, start, end, 0), info
 
 
 def run_tfdata(make, epochs, workers, max_queue, warmup=0, min_seconds=0):
@@ -442,7 +624,106 @@ def run_tfdata(make, epochs, workers, max_queue, warmup=0, min_seconds=0):
     for _ in _timed_epochs(counts, start, warmup, epochs, min_seconds):
         consume(tfds.as_numpy_iterator(), counts)
     end = time.perf_counter()
-    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0], None, _rate(counts, start, end, 0)
+    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0], None, _rate(counts, start, end, 0), {}
+
+
+# Peers that are not kpipe's dependencies: each row runs only where its package imports.
+_PEER_PACKAGES = {"grain-loader": "grain", "grain-dataset": "grain", "torch": "torch"}
+_PEER_INSTALL = {"grain": "pip install -e '.[bench]'", "torch": "pip install torch --index-url https://download.pytorch.org/whl/cpu"}
+
+
+def peer_missing(loader):
+    """Why `loader` cannot run here (its package does not import), or None if it can."""
+    package = _PEER_PACKAGES.get(loader)
+    if package is None:
+        return None
+    try:
+        __import__(package)
+    except Exception as e:  # noqa: BLE001 - any failure to import skips the row, with its reason
+        return f"{package} does not import ({type(e).__name__}: {e}); install it with {_PEER_INSTALL[package]}"
+    return None
+
+
+def _epochs_of(iterator, steps, counts, start, warmup, epochs, min_seconds):
+    """Consumes `steps` batches of one long-lived `iterator` per epoch, for the epochs
+    `_timed_epochs` gives (a loader that runs on across epochs, as Grain's and PyTorch's
+    persistent workers do)."""
+    for _ in _timed_epochs(counts, start, warmup, epochs, min_seconds):
+        consume(itertools.islice(iterator, steps), counts)
+        if counts[0] % steps:
+            raise RuntimeError(f"the loader ended after {counts[0]} batches, inside an epoch of {steps}")
+
+
+def run_grain(make, kind, epochs, workers, warmup=0, min_seconds=0):
+    """Grain with `workers` processes, on the workload's `grain_plan()`, as Grain's docs
+    write it: `grain.DataLoader(data_source=..., sampler=IndexSampler(...), operations=
+    [random map, Batch], worker_count=workers)` ("grain-loader"), or
+    `MapDataset.source(...).shuffle().random_map().repeat().to_iter_dataset().batch()
+    .mp_prefetch(MultiprocessingOptions(num_workers=workers))` ("grain-dataset"). One
+    iterator over endless epochs, taken one epoch's batches at a time (Grain's workers
+    run on across epochs, as they do in a training loop)."""
+    import grain
+
+    counts = [0, 0, None, 0]
+    plan = make().grain_plan()
+    steps = plan.batches_per_epoch()
+    read = grain.ReadOptions(num_threads=0) if plan.in_memory else grain.ReadOptions()
+    t0 = time.perf_counter()  # the dataset exists; the loader is constructed from here on
+    if kind == "grain-loader":
+        operations = []
+        if plan.random_map is not None:
+            grain.transforms.RandomMap.register(type(plan.random_map))
+            operations.append(plan.random_map)
+        if plan.batch_size:
+            operations.append(grain.transforms.Batch(batch_size=plan.batch_size, drop_remainder=True))
+        sampler = grain.samplers.IndexSampler(num_records=len(plan.source), shard_options=grain.sharding.NoSharding(),
+                                              shuffle=plan.shuffle, num_epochs=None, seed=0)
+        loader = grain.DataLoader(data_source=plan.source, sampler=sampler, operations=operations, worker_count=workers,
+                                  read_options=read)
+    else:
+        ds = grain.MapDataset.source(plan.source)
+        if plan.shuffle:
+            ds = ds.shuffle(seed=0)
+        if plan.random_map is not None:
+            ds = ds.random_map(plan.random_map, seed=0)
+        ds = ds.repeat().to_iter_dataset(read)
+        if plan.batch_size:
+            ds = ds.batch(plan.batch_size, drop_remainder=True)
+        loader = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    iterator = iter(loader)
+    start = []
+    try:
+        _epochs_of(iterator, steps, counts, start, warmup, epochs, min_seconds)
+        end = time.perf_counter()
+    finally:
+        for it in (iterator, getattr(iterator, "_iterator", None)):  # DataLoaderIterator wraps a DatasetIterator
+            if hasattr(it, "close"):
+                it.close()
+        del iterator, loader
+        gc.collect()
+    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0], None, _rate(counts, start, end, 0), {}
+
+
+def run_torch(make, epochs, workers, warmup=0, min_seconds=0):
+    """PyTorch's `DataLoader(ds, batch_size=None, num_workers=workers,
+    persistent_workers=True)` on the per-batch dataset itself (`batch_size=None`: each
+    item is a whole batch), its tensors read as NumPy arrays without a copy, as Keras's
+    adapter for a PyTorch loader does. The workers persist across epochs."""
+    import torch.utils.data
+
+    counts = [0, 0, None, 0]
+    ds = make()
+    t0 = time.perf_counter()
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True)
+    start = []
+    try:
+        for _ in _timed_epochs(counts, start, warmup, epochs, min_seconds):
+            consume((tuple(t.numpy() for t in batch) for batch in loader), counts)
+        end = time.perf_counter()
+    finally:
+        del loader
+        gc.collect()
+    return _rate(counts, start, end, warmup), counts[2] - t0, counts[0], None, _rate(counts, start, end, 0), {}
 
 
 _CEILING_CHILD = r"""
@@ -563,8 +844,10 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
     Each row also gets `x_ceiling_paired`: the median over rounds of its run divided by
     the ceiling run of the same round, minutes closer in time than two best runs may be
     (`x_ceiling` divides the best by the best); and `cpu`, the CPU shares (`CpuWindow`)
-    of its best run, where measured (kpipe and the ceilings)."""
+    of its best run, where measured (kpipe and the ceilings). With `workers="auto"`
+    (kpipe alone) there is no ceiling: the rows' ceiling multiples are None."""
     ceilings, barrier_ceilings = [], []
+    with_ceiling = workers != "auto"
     has_hook = _has_epoch_hook(make())
     loaders = [k for k in loaders if k != "kpipe-ahead" or has_hook]  # the option is for epoch hooks
     runs = {kind: [] for kind in loaders}
@@ -573,11 +856,19 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
             warm_memory(warm_mb)
             with PeakRSS() as rss:
                 if kind == "tf.data":
-                    rate, first_s, batches, cpu, from_first = run_tfdata(make, epochs, workers, max_queue, warmup, min_seconds)
+                    result = run_tfdata(make, epochs, workers, max_queue, warmup, min_seconds)
+                elif kind.startswith("grain"):
+                    result = run_grain(make, kind, epochs, workers, warmup, min_seconds)
+                elif kind == "torch":
+                    result = run_torch(make, epochs, workers, warmup, min_seconds)
                 else:
-                    rate, first_s, batches, cpu, from_first = run_pydataset(make, kind, epochs, workers, max_queue, warmup, min_seconds)
-            runs[kind].append((rate, first_s, rss.peak / 2**20, batches, cpu, from_first))
-            print(f"  {workload}: {kind:<14} {rate:10.1f} samples/s{_cpu_text(cpu)}", flush=True)
+                    result = run_pydataset(make, kind, epochs, workers, max_queue, warmup, min_seconds)
+            rate, first_s, batches, cpu, from_first, info = result
+            runs[kind].append((rate, first_s, rss.peak / 2**20, batches, cpu, from_first, info))
+            ended = f"  (ended with {info['workers_end']} workers)" if workers == "auto" and "workers_end" in info else ""
+            print(f"  {workload}: {kind:<14} {rate:10.1f} samples/s{_cpu_text(cpu)}{ended}", flush=True)
+        if not with_ceiling:
+            continue
         warm_memory(warm_mb)
         with PeakRSS():  # (not reported: sampled so that every run pays the sampler alike)
             ceilings.append(run_ceiling(make, epochs, workers, min_seconds))
@@ -588,11 +879,12 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
                 barrier_ceilings.append(run_ceiling(make, epochs, workers, min_seconds, pass_ends=True))
             print(f"  {workload}: {'ceiling-passes':<14} {barrier_ceilings[-1][0]:10.1f} samples/s{_cpu_text(barrier_ceilings[-1][1])}", flush=True)
     ceiling_runs = [c[0] for c in ceilings]
-    ceiling = max(ceiling_runs)
+    ceiling = max(ceiling_runs) if ceiling_runs else None
     rows = []
     for kind in loaders:
         speeds = [r[0] for r in runs[kind]]
         paired = [rate / c for rate, c in zip(speeds, ceiling_runs)]
+        best = max(runs[kind], key=lambda r: r[0])
         rows.append(
             {
                 "workload": workload,
@@ -604,17 +896,20 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
                 "first_batch_s": statistics.median(r[1] for r in runs[kind]),
                 "peak_rss_mb": max(r[2] for r in runs[kind]),
                 "x_ceiling_rounds": paired,
-                "x_ceiling_paired": statistics.median(paired),
-                "cpu": max(runs[kind], key=lambda r: r[0])[4],
+                "x_ceiling_paired": statistics.median(paired) if paired else None,
+                "cpu": best[4],
                 # from the first batch, the warm-up epochs included (the same runs)
                 "samples_per_s_from_first": max(r[5] for r in runs[kind]),
+                **best[6],  # kpipe: the workers it ended with (and what it says of their threads)
             }
         )
     serial = next((r["samples_per_s"] for r in rows if r["loader"] == "serial"), None)
     for r in rows:
         r["x_serial"] = r["samples_per_s"] / serial if serial else None
-        r["x_ceiling"] = r["samples_per_s"] / ceiling
-        r["x_ceiling_from_first"] = r["samples_per_s_from_first"] / ceiling
+        r["x_ceiling"] = r["samples_per_s"] / ceiling if ceiling else None
+        r["x_ceiling_from_first"] = r["samples_per_s_from_first"] / ceiling if ceiling else None
+    if not with_ceiling:
+        return rows
     rows.append({"workload": workload, "loader": "ceiling", "workers": workers, "samples_per_s": ceiling, "samples_per_s_runs": ceiling_runs,
                  "x_serial": ceiling / serial if serial else None, "x_ceiling": 1.0, "cpu": max(ceilings, key=lambda c: c[0])[1]})
     if barrier_ceilings:
@@ -691,8 +986,8 @@ def print_cpu_breakdown(rows):
     for r in rows:
         if "workers" not in (r.get("cpu") or {}):
             continue
-        ceiling = next(c for c in rows if c["workload"] == r["workload"] and c["loader"] == "ceiling")
-        split = cpu_breakdown(r, ceiling) if r is not ceiling else None
+        ceiling = next((c for c in rows if c["workload"] == r["workload"] and c["loader"] == "ceiling"), None)
+        split = cpu_breakdown(r, ceiling) if ceiling is not None and r is not ceiling else None
         cpu = r["cpu"]
         lines.append(
             f"{r['workload']:<10}{r['loader']:<15}{100 * cpu['workers']:>8.0f}%{100 * cpu['main']:>9.0f}%{100 * cpu['idle']:>5.0f}%"
@@ -731,6 +1026,11 @@ def check_targets(rows, growth, io_workers):
             print(f"(b) timed from the first batch, the warm-up epochs and the slots' set-up included: kpipe "
                   f"{b_k['x_ceiling_from_first']:.2f}x the ceiling"
                   + (f", with epoch_end_ahead=True {b_a['x_ceiling_from_first']:.2f}x" if b_a else ""))
+    peers = [r for r in (get("b", k) for k in _PEERS) if r]
+    if b_k and peers:  # issue #30: against every other way to load (b) with the same workers
+        best = max(peers, key=lambda r: r["samples_per_s"])
+        checks.append((f"(b) kpipe >= 2x the best peer ({best['loader']}; of {', '.join(r['loader'] for r in peers)})",
+                       b_k["samples_per_s"] / best["samples_per_s"], 2.0))
     a_k, a_mp = get("a", "kpipe"), get("a", "keras-mp")
     if a_k and a_mp:
         checks.append(("(a) kpipe >= 0.85x ceiling", a_k["x_ceiling"], 0.85))
@@ -744,20 +1044,83 @@ def check_targets(rows, growth, io_workers):
         checks.append(("kpipe first batch <= 0.5 s (worst workload, workers=2)", max(firsts), 0.5))
     if growth:
         checks.append((f"kpipe RSS growth over {growth['epochs']} epochs < 5%", growth["growth_pct"], 5.0))
+    checks += blas_checks({r["workers"]: r["samples_per_s"] for r in rows if r["workload"].startswith("blas@") and r["loader"] == "kpipe"})
     print("\nTargets:")
-    for name, value, target in checks:
-        ok = value <= target if ("<=" in name or "<" in name.split("x")[-1] and "growth" in name) else value >= target
-        if "first batch" in name or "growth" in name:
-            ok = value <= target
-        print(f"  {'PASS' if ok else 'MISS'}  {name}: measured {value:.2f}")
+    print_checks(checks)
     return checks
 
 
-_WORKLOADS = ("a", "b", "b-direct", "c")
+def print_checks(checks):
+    """One PASS or MISS line per `(name, measured, target)`: a name saying `>=` wants at
+    least the target, any other (`<=`, `<`) at most."""
+    for name, value, target in checks:
+        ok = value >= target if " >= " in name else value <= target
+        print(f"  {'PASS' if ok else 'MISS'}  {name}: measured {value:.2f}")
+
+
+def blas_checks(rates, who="kpipe"):
+    """Issue #30's targets on the BLAS workload, from `who`'s samples/s by worker count
+    (`{1: ..., 2: ..., 4: ..., "auto": ...}`): workers=2 >= 1.3x workers=1, "auto" >= 0.9x
+    the best fixed count, and no fixed count below 0.8x workers=1. A check whose counts
+    were not run is left out. Returns `(name, measured, target)` triples."""
+    fixed = {c: rate for c, rate in rates.items() if c != "auto"}
+    one, checks = fixed.get(1), []
+    if one and 2 in fixed:
+        checks.append((f"(blas) {who} workers=2 >= 1.3x workers=1", fixed[2] / one, 1.3))
+    if "auto" in rates and fixed:
+        best = max(fixed, key=fixed.get)
+        checks.append((f"(blas) {who} workers='auto' >= 0.9x the best fixed count (workers={best})", rates["auto"] / fixed[best], 0.9))
+    if one and len(fixed) > 1:
+        worst = min(fixed, key=fixed.get)
+        checks.append((f"(blas) {who} slowest fixed count (workers={worst}) >= 0.8x workers=1", fixed[worst] / one, 0.8))
+    return checks
+
+
+def blas_ratios(rows):
+    """Gives every row of the BLAS workload's groups (`blas@N`, `blas@auto`) its multiple
+    of the serial loop (run in the first group only) and `x_workers1`, its multiple of the
+    same loader at workers=1 (None where that did not run)."""
+    blas = [r for r in rows if r["workload"].startswith("blas@")]
+    serial = next((r["samples_per_s"] for r in blas if r["loader"] == "serial"), None)
+    for r in blas:
+        r["x_serial"] = r["samples_per_s"] / serial if serial else None
+        one = next((o for o in blas if o["workload"] == "blas@1" and o["loader"] == r["loader"]), None)
+        r["x_workers1"] = r["samples_per_s"] / one["samples_per_s"] if one and r["loader"] not in ("serial", "tf.data") else None
+
+
+def print_blas(rows):
+    """The BLAS workload as a grid: each loader's batches/s at every worker count, with
+    its multiples of the serial loop and of itself at workers=1."""
+    blas = [r for r in rows if r["workload"].startswith("blas@")]
+    if not blas:
+        return
+    counts = list(dict.fromkeys(r["workload"].split("@")[1] for r in blas))
+    loaders = list(dict.fromkeys(r["loader"] for r in blas))
+    print(f"\nBLAS workload: batches/s ({_BLAS_SIZE}x{_BLAS_SIZE} float32, six tanh(a @ a.T) each), and in brackets "
+          "x serial / x the same loader at workers=1:")
+    print(f"{'loader':<15}" + "".join(f"{'workers=' + c:>26}" for c in counts))
+    for loader in loaders:
+        cells = []
+        for c in counts:
+            r = next((r for r in blas if r["workload"] == f"blas@{c}" and r["loader"] == loader), None)
+            if r is None:
+                cells.append(f"{'':>26}")
+                continue
+            fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+            end = f" ->{r['workers_end']}" if c == "auto" and "workers_end" in r else ""
+            cells.append(f"{r['samples_per_s'] / _BLAS_SIZE:>10.1f} ({fmt(r['x_serial'])} / {fmt(r.get('x_workers1'))}){end}".rjust(26))
+        print(f"{loader:<15}" + "".join(cells))
+    threads = {r["workload"]: {k: v for k, v in r.items() if "thread" in k} for r in blas if r["loader"] == "kpipe"}
+    if any(threads.values()):
+        print("kpipe's workers' native threads (its stats): " + "; ".join(f"{w}: {t}" for w, t in threads.items() if t))
+
+
+_WORKLOADS = ("a", "b", "b-direct", "c", "blas")
 _EXTRA_WORKLOADS = ("b-fixed",)  # run only when named
 _ALL_WORKLOADS = _WORKLOADS + _EXTRA_WORKLOADS
-_LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "kpipe-ahead")
-_EPOCHS = "a=10,b=8,b-fixed=8,b-direct=30,c=2"
+_PEERS = ("grain-loader", "grain-dataset", "torch", "tf.data", "keras-mp")  # for (b)'s target: the other ways to load
+_LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "kpipe-ahead", "grain-loader", "grain-dataset", "torch")
+_EPOCHS = "a=10,b=8,b-fixed=8,b-direct=30,c=2,blas=5"
 
 
 def main(argv=None):
@@ -773,7 +1136,9 @@ def main(argv=None):
     parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")
     parser.add_argument("--warm-mb", type=int, default=1024, help="MB written and freed before each run (0: none; see above). Default: 1024")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every loader, in rounds; the best throughput counts. Default: 3")
-    parser.add_argument("--loaders", default=",".join(_LOADERS), help=f"comma-separated subset of {','.join(_LOADERS)} (the ceiling always runs). Default: all")
+    parser.add_argument("--blas-workers", default="1,2,4", help="worker counts of the BLAS workload (each loader at each; kpipe also at workers='auto'). Default: 1,2,4")
+    parser.add_argument("--loaders", default=",".join(_LOADERS), help=f"comma-separated subset of {','.join(_LOADERS)} (the ceiling always runs; "
+                        "a peer whose package does not import is skipped, with its reason). Default: all")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (a smoke test, not a measurement)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -792,6 +1157,16 @@ def main(argv=None):
     loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
     if not loaders or any(x not in _LOADERS for x in loaders):
         parser.error(f"--loaders takes a comma-separated subset of {','.join(_LOADERS)}. Received: {args.loaders}")
+    try:
+        blas_counts = [int(c) for c in args.blas_workers.split(",")]
+    except ValueError:
+        blas_counts = []
+    if not blas_counts or min(blas_counts) < 1:
+        parser.error(f"--blas-workers takes comma-separated worker counts >= 1. Received: {args.blas_workers}")
+    skipped = {k: reason for k in loaders if (reason := peer_missing(k))}
+    for k, reason in skipped.items():
+        print(f"skipped {k}: {reason}", flush=True)
+    loaders = [k for k in loaders if k not in skipped]
     scale = 0.125 if args.quick else 1.0
     repeats = 1 if args.quick else args.repeats
     if args.warmup_epochs < 0:
@@ -830,6 +1205,15 @@ def main(argv=None):
             io_loaders = [x for x in loaders if x != "tf.data"] + (["kpipe-threads"] if "kpipe" in loaders else [])
             io_rows = measure(f"c@{args.io_workers}", make, io_loaders, epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats, args.warmup_epochs, warm_mb, min_seconds)
             rows += io_rows
+        if "blas" in workloads:
+            n = max(8, int(60 * scale))
+            make = lambda **kw: Blas(n=n, **kw)  # noqa: E731
+            for i, count in enumerate(blas_counts):  # serial and tf.data (no worker count) in the first group only
+                group = loaders if i == 0 else [x for x in loaders if x not in ("serial", "tf.data")]
+                rows += measure(f"blas@{count}", make, group, epochs["blas"], count, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
+            if "kpipe" in loaders:
+                rows += measure("blas@auto", make, ["kpipe"], epochs["blas"], "auto", args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
+            blas_ratios(rows)
     finally:
         for name in os.listdir(tmpdir):
             os.unlink(os.path.join(tmpdir, name))
@@ -839,6 +1223,9 @@ def main(argv=None):
           f"{f' and at least {min_seconds:g} s' if min_seconds else ''} per run, workers={args.workers}, best of {repeats} runs, {warm_mb} MB warmed before each, "
           f"tensorflow {__import__('tensorflow').__version__}, keras {keras.__version__}\n")
     print_table(rows)
+    for k, reason in skipped.items():
+        print(f"(skipped {k}: {reason})")
+    print_blas(rows)
     print_cpu_breakdown(rows)
     if growth:
         print(f"\nkpipe RSS over {growth['epochs']} epochs (workload a): after epoch 2 {growth['rss_after_epoch2_mb']:.0f} MB, "
@@ -846,7 +1233,7 @@ def main(argv=None):
     check_targets(rows, growth, args.io_workers)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "rss_growth": growth, "warmup_epochs": args.warmup_epochs, "min_seconds": min_seconds, "warm_mb": warm_mb, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
+            json.dump({"rows": rows, "skipped": skipped, "rss_growth": growth, "warmup_epochs": args.warmup_epochs, "min_seconds": min_seconds, "warm_mb": warm_mb, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
     return 0
 
 

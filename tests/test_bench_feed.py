@@ -72,9 +72,21 @@ def test_bench_auto_quick_run_reports_fixed_counts_and_auto(tmp_path):
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["workload"], r["workers"]) for r in rows] == [(w, c) for w in ("a", "c", "fit") for c in (1, 2, "auto")]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["workload"], r["workers"]) for r in rows] == [(w, c) for w in ("a", "c", "fit", "blas") for c in (1, 2, "auto")]
     assert all(r["samples_per_s"] > 0 for r in rows)
     assert max(r["x_best_fixed"] for r in rows if r["workers"] != "auto") == 1.0
     auto = [r for r in rows if r["workers"] == "auto"]
     assert all(r["workers_end"] >= 1 and isinstance(r["auto_decisions"], list) for r in auto)
+    # the BLAS workload's targets (issue #30), printed PASS or MISS and never asserted on
+    blas = {r["workers"]: r["samples_per_s"] for r in rows if r["workload"] == "blas"}
+    best, worst = max((1, 2), key=blas.get), min((1, 2), key=blas.get)
+    assert [t["name"] for t in result["targets"]] == [
+        "(blas) kpipe workers=2 >= 1.3x workers=1",
+        f"(blas) kpipe workers='auto' >= 0.9x the best fixed count (workers={best})",
+        f"(blas) kpipe slowest fixed count (workers={worst}) >= 0.8x workers=1",
+    ]
+    assert result["targets"][0]["measured"] == pytest.approx(blas[2] / blas[1])
+    for t in result["targets"]:
+        assert any(line.split()[:1] in (["PASS"], ["MISS"]) and t["name"] in line for line in proc.stdout.splitlines())

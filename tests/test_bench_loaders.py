@@ -11,24 +11,37 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(tmp_path, *args):
+def _run(tmp_path, *args, env=None, timeout=280):
     """Runs the benchmark with `--quick` and `args`; returns its stdout and JSON."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_loaders.py"), "--quick", *args, "--json", str(out)],
-        capture_output=True, text=True, timeout=280,
+        capture_output=True, text=True, timeout=timeout, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
+
+
+def _without(tmp_path, *packages):
+    """An environment in which `import <package>` fails for each of `packages`, as where
+    it is not installed: a package of that name on PYTHONPATH that raises ImportError."""
+    fake = tmp_path / "fake-packages"
+    for name in packages:
+        (fake / name).mkdir(parents=True)
+        (fake / name / "__init__.py").write_text(f"raise ImportError(\"No module named '{name}' (simulated)\")\n")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_bench_loaders_quick_run_reports_every_loader(tmp_path):
-    stdout, result = _run(tmp_path, "--workloads", "a", "--epochs", "1", "--warmup-epochs", "1", "--rss-epochs", "3")
+    # the built-in loaders (the peers, whose packages are optional, have tests of their own)
+    stdout, result = _run(tmp_path, "--workloads", "a", "--epochs", "1", "--warmup-epochs", "1", "--rss-epochs", "3",
+                          "--loaders", "serial,keras-threads,keras-mp,tf.data,kpipe,kpipe-ahead")
     rows = result["rows"]
     assert [r["loader"] for r in rows] == ["serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "ceiling"]
+    assert result["skipped"] == {}
     assert all(r["samples_per_s"] > 0 for r in rows)
     assert "Targets:" in stdout and "kpipe RSS over 3 epochs" in stdout
     assert result["warmup_epochs"] == 1 and "after 1 untimed" in stdout
@@ -80,6 +93,79 @@ def test_bench_loaders_runs_each_loader_and_the_ceiling_for_min_seconds(tmp_path
     assert ceiling["loader"] == "ceiling" and ceiling["samples_per_s"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bench_loaders_blas_workload_at_every_worker_count_and_peers_skipped_with_their_reason(tmp_path):
+    env = _without(tmp_path, "grain", "torch")
+    stdout, result = _run(tmp_path, "--workloads", "blas", "--blas-workers", "1,2", "--epochs", "1", "--rss-epochs", "0",
+                          "--loaders", "serial,tf.data,kpipe,grain-loader,grain-dataset,torch", env=env)
+    # each peer skipped, its reason printed and in the JSON
+    assert set(result["skipped"]) == {"grain-loader", "grain-dataset", "torch"}
+    for loader, reason in result["skipped"].items():
+        assert "(simulated)" in reason and "install" in reason, reason
+        assert f"skipped {loader}: {reason}" in stdout
+    assert "pip install -e '.[bench]'" in result["skipped"]["grain-loader"]
+    # serial and tf.data (no worker count) once; kpipe and the ceiling at each count; kpipe at "auto" (no ceiling)
+    assert [(r["workload"], r["loader"], r["workers"]) for r in result["rows"]] == [
+        ("blas@1", "serial", 0), ("blas@1", "tf.data", 1), ("blas@1", "kpipe", 1), ("blas@1", "ceiling", 1),
+        ("blas@2", "kpipe", 2), ("blas@2", "ceiling", 2), ("blas@auto", "kpipe", "auto"),
+    ]
+    by = {(r["workload"], r["loader"]): r for r in result["rows"]}
+    serial = by[("blas@1", "serial")]["samples_per_s"]
+    for r in result["rows"]:
+        assert r["samples_per_s"] > 0 and r["x_serial"] == pytest.approx(r["samples_per_s"] / serial)
+        if r["loader"] != "ceiling":  # whole epochs of 8 batches at --quick: the warm-up one and a timed one
+            assert r["batches"] == 16, r
+    one = by[("blas@1", "kpipe")]["samples_per_s"]
+    assert by[("blas@2", "kpipe")]["x_workers1"] == pytest.approx(by[("blas@2", "kpipe")]["samples_per_s"] / one)
+    assert by[("blas@auto", "kpipe")]["x_workers1"] == pytest.approx(by[("blas@auto", "kpipe")]["samples_per_s"] / one)
+    assert by[("blas@auto", "kpipe")]["x_ceiling"] is None and by[("blas@auto", "kpipe")]["workers_end"] >= 1
+    assert by[("blas@1", "tf.data")]["x_workers1"] is None and by[("blas@1", "serial")]["x_workers1"] is None
+    # the grid and the issue's three targets, each a PASS or MISS line (never asserted on)
+    assert "BLAS workload: batches/s" in stdout and "workers=auto" in stdout
+    for target in ("(blas) kpipe workers=2 >= 1.3x workers=1", "(blas) kpipe workers='auto' >= 0.9x the best fixed count",
+                   "(blas) kpipe slowest fixed count"):
+        line = next(line for line in stdout.splitlines() if target in line)
+        assert line.split()[0] in ("PASS", "MISS"), line
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_bench_loaders_runs_both_grain_rows_on_per_sample_and_per_batch_workloads(tmp_path):
+    pytest.importorskip("grain", reason="grain is not installed (pip install -e '.[bench]')")
+    # a: records, a random map and a batch; b: Grain's shuffle and reading threads over the
+    # HDF5 file; blas: the records are whole batches
+    stdout, result = _run(tmp_path, "--workloads", "a,b,blas", "--blas-workers", "2", "--epochs", "1", "--rss-epochs", "0",
+                          "--loaders", "grain-loader,grain-dataset", timeout=560)
+    assert result["skipped"] == {}
+    assert [(r["workload"], r["loader"]) for r in result["rows"] if r["loader"].startswith("grain")] == [
+        (w, k) for w in ("a", "b", "blas@2") for k in ("grain-loader", "grain-dataset")
+    ]
+    per_epoch = {"a": 4, "b": 2, "blas@2": 8}  # batches per epoch at --quick sizes
+    for r in result["rows"]:
+        assert r["samples_per_s"] > 0
+        if r["loader"].startswith("grain"):
+            assert r["workers"] == 2 and r["first_batch_s"] > 0 and r["samples_per_s_from_first"] > 0
+            assert r["batches"] == 2 * per_epoch[r["workload"]], r  # the warm-up epoch and a timed one, whole
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bench_loaders_runs_pytorch_dataloader_on_the_per_batch_dataset(tmp_path):
+    pytest.importorskip("torch", reason="torch is not installed (pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+    _, result = _run(tmp_path, "--workloads", "a,b", "--epochs", "1", "--rss-epochs", "0", "--loaders", "torch,kpipe")
+    rows = [(r["workload"], r["loader"]) for r in result["rows"]]
+    assert rows == [("a", "torch"), ("a", "kpipe"), ("a", "ceiling"), ("b", "torch"), ("b", "kpipe"), ("b", "ceiling"), ("b", "ceiling-passes")]
+    assert all(r["samples_per_s"] > 0 for r in result["rows"])
+    per_epoch = {"a": 4, "b": 2}  # batches per epoch at --quick sizes
+    for r in result["rows"]:
+        if r["loader"] == "torch":
+            assert r["batches"] == 2 * per_epoch[r["workload"]], r  # the warm-up epoch and a timed one
+
+
 def _bench_module():
     spec = importlib.util.spec_from_file_location("bench_loaders", os.path.join(ROOT, "scripts", "bench_loaders.py"))
     bench = importlib.util.module_from_spec(spec)
@@ -125,3 +211,40 @@ def test_the_breakdown_multiplies_out_to_the_ratio_of_two_runs():
     assert split["capacity"] == pytest.approx(0.8 / 0.96) and split["cost"] == pytest.approx(0.8)
     assert split["predicted"] == pytest.approx((0.8 / 200) / (0.96 / 160))
     assert bench.cpu_breakdown({"cpu": None}, ceiling) is None  # not measured (a Keras loader)
+
+
+def test_blas_targets_compare_each_count_with_one_worker_and_auto_with_the_best():
+    bench = _bench_module()
+    checks = bench.blas_checks({1: 100.0, 2: 90.0, 4: 50.0, "auto": 80.0})
+    assert checks == [
+        ("(blas) kpipe workers=2 >= 1.3x workers=1", pytest.approx(0.9), 1.3),
+        ("(blas) kpipe workers='auto' >= 0.9x the best fixed count (workers=1)", pytest.approx(0.8), 0.9),
+        ("(blas) kpipe slowest fixed count (workers=4) >= 0.8x workers=1", pytest.approx(0.5), 0.8),
+    ]
+    assert bench.blas_checks({2: 90.0, "auto": 95.0}) == [
+        ("(blas) kpipe workers='auto' >= 0.9x the best fixed count (workers=2)", pytest.approx(95 / 90), 0.9),
+    ]  # without workers=1, only what can be compared
+
+
+def test_checks_print_pass_or_miss_by_the_direction_their_name_says(capsys):
+    bench = _bench_module()
+    bench.print_checks([("x >= 1.3x y", 1.4, 1.3), ("x >= 1.3x y", 1.2, 1.3), ("first batch <= 0.5 s", 0.7, 0.5),
+                        ("RSS growth < 5%", 1.0, 5.0)])
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["PASS", "MISS", "MISS", "PASS"]
+
+
+def test_a_peer_whose_package_does_not_import_is_skipped_with_the_install_command(monkeypatch):
+    bench = _bench_module()
+    monkeypatch.setitem(sys.modules, "grain", None)  # `import grain` raises ImportError
+    reason = bench.peer_missing("grain-dataset")
+    assert reason.startswith("grain does not import (ModuleNotFoundError") and "pip install -e '.[bench]'" in reason
+    assert bench.peer_missing("kpipe") is None and bench.peer_missing("tf.data") is None
+
+
+def test_blas_worker_counts_must_be_positive_integers(capsys):
+    bench = _bench_module()
+    for bad in ("0,2", "one"):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(["--blas-workers", bad])
+        assert exc.value.code == 2
+        assert f"--blas-workers takes comma-separated worker counts >= 1. Received: {bad}" in capsys.readouterr().err
