@@ -400,7 +400,8 @@ class ProcessLoader(keras.utils.PyDataset):
         each worker process now; None without worker processes), `worker_thread_pools`
         (per worker taking tasks, as it last reported: `worker`, `pid`, `threads`,
         `pools` -- each library limited, with `library`, `api`, `file` and its
-        `threads` -- and `not_limited`, what kept its size and why), and with
+        `threads`, and `max_threads` where a library is built for fewer threads than
+        the budget -- and `not_limited`, what stays above the budget and why), and with
         `workers="auto"`: `cpu_limit`,
         `max_workers` and `auto_decisions` (the last 100 changes of the worker count,
         oldest first: `t` seconds since construction, `workers_from`, `workers_to`,

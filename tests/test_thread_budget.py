@@ -267,7 +267,12 @@ def test_opencv_gets_the_budget(lazy, four_cpus, no_leaks):
     assert {threads for _, threads in rows} == {2}
     for report in reports:  # OpenCV's own pool, and the OpenBLAS it bundles, are reported
         assert {"library": "opencv", "api": "opencv", "file": "cv2", "threads": 2} in report["pools"], report
-        assert all(p["threads"] == 2 for p in report["pools"]), report
+        assert report["not_limited"] == [], report
+        # Every pool at the budget, or below it where the library is built for fewer
+        # threads: OpenCV 4.x wheels bundle a single-threaded OpenBLAS 0.3.3 (5.x: none).
+        for p in report["pools"]:
+            assert p["threads"] == 2 or p["threads"] == p.get("max_threads") < 2, report
+        assert any(p["api"] == "blas" and p["threads"] == 2 for p in report["pools"]), report  # NumPy's
 
 
 @pytest.mark.multiprocess

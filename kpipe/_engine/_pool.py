@@ -399,8 +399,9 @@ class ProcessBackend:
         """What the budget set in each worker taking tasks, as it last reported (workers
         report after starting and after each change): a list, by worker id, of
         `{"worker", "pid", "threads", "pools", "not_limited"}` -- `pools` one entry per
-        library (`library`, `api`, `file`, `threads`), `not_limited` what could not be
-        limited and why. A worker that has not reported yet shows `threads` None."""
+        library (`library`, `api`, `file`, `threads`, and `max_threads` where the library
+        is built for fewer threads than the budget), `not_limited` what stays above the
+        budget and why. A worker that has not reported yet shows `threads` None."""
         out = []
         for p in sorted(self._active, key=lambda p: p.id):
             report = p.pools or {"threads": None, "pools": [], "not_limited": []}

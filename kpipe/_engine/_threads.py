@@ -165,7 +165,12 @@ def preload():
 
 def _limit_native(threads):
     """BLAS and OpenMP libraries through threadpoolctl: only those whose count differs (in
-    a forked child, OpenBLAS starts its pool when told, even to the count it has)."""
+    a forked child, OpenBLAS starts its pool when told, even to the count it has).
+
+    The budget is a ceiling: a library built for fewer threads than the budget (OpenCV
+    4.x wheels bundle a single-threaded OpenBLAS 0.3.3 beside NumPy's) keeps its count,
+    which cannot oversubscribe; its pool entry says so with `max_threads`. Only a pool
+    left above the budget is `not_limited`."""
     try:
         import threadpoolctl
     except ImportError as exc:  # an install without kpipe's requirements
@@ -187,8 +192,11 @@ def _limit_native(threads):
             "file": os.path.basename(info.get("filepath") or ""),
             "threads": info.get("num_threads"),
         })
-        if info.get("num_threads") != threads:
-            problems.append(f"{info.get('internal_api')} ({pools[-1]['file']}) stays at {info.get('num_threads')} threads")
+        count = info.get("num_threads")
+        if count is None or count > threads:  # above the budget: it oversubscribes the CPUs
+            problems.append(f"{info.get('internal_api')} ({pools[-1]['file']}) stays at {count} threads")
+        elif count < threads:  # a build with fewer threads (OpenCV 4.x bundles a 1-thread OpenBLAS)
+            pools[-1]["max_threads"] = count
     return pools, problems
 
 
