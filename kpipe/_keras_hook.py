@@ -74,24 +74,29 @@ class KerasConsumer:
     told it: `runs()` epochs of `steps` steps, None: a pass each). Not thread-safe;
     used under the loader's lock and by Keras's thread."""
 
-    __slots__ = ("stream", "consumed", "steps", "_runs", "_total", "_begun")
+    __slots__ = ("stream", "consumed", "steps", "ends_call", "_runs", "_each_a_call", "_total", "_begun")
 
     def __init__(self, plan=None):
         self.stream = None
         self.consumed = 0  # batches of `stream` Keras took (a feed's thread reads ahead)
-        self._runs, self.steps = plan if plan is not None else (None, None)
+        self._runs, self.steps, self._each_a_call = plan if plan is not None else (None, None, False)
+        self.ends_call = False  # the epoch begun last is the last of a Keras call
         self._total = None
         self._begun = 0
 
     def begin_epoch(self):
-        """Counts a Keras epoch; returns whether it is the call's last one (False when
-        unknown)."""
+        """Counts a Keras epoch; returns how many the call runs from this one on (1: this
+        is its last; None when unknown)."""
         if self._runs is None:
-            return False
+            return None
         if self._total is None:
             self._total = self._runs()  # at the first epoch: BackupAndRestore has set initial_epoch
         self._begun += 1
-        return self._begun >= self._total
+        left = max(1, self._total - self._begun + 1)
+        # evaluate and each validation run are one epoch each: Keras (>= 3.7) starts the
+        # next such call with its reset's on_epoch_end (see loader._keras_epoch_end)
+        self.ends_call = left == 1 or self._each_a_call
+        return left
 
 
 def _plan_for(loader):
@@ -141,14 +146,15 @@ def _planned(name, original):
 
 
 def _call_plans(name, model, args):
-    """`{id(loader): (runs, steps)}` for the ProcessLoaders a call reads (see
+    """`{id(loader): (runs, steps, each_a_call)}` for the ProcessLoaders a call reads (see
     `_plan_calls`); `runs()` is read at the loader's first epoch, as Keras's `fit` reads
-    `initial_epoch` (BackupAndRestore sets `model._initial_epoch` when training begins)."""
+    `initial_epoch` (BackupAndRestore sets `model._initial_epoch` when training begins);
+    `each_a_call`: every epoch is an `evaluate` call of its own (validation)."""
     plans = {}
     x = args.get("x")
     if name != "fit":
         if _is_loader(x):
-            plans[id(x)] = (lambda: 1, args.get("steps"))
+            plans[id(x)] = (lambda: 1, args.get("steps"), False)
         return plans
     epochs, initial = args.get("epochs", 1), args.get("initial_epoch", 0)
 
@@ -156,7 +162,7 @@ def _call_plans(name, model, args):
         return getattr(model, "_initial_epoch", None) or initial
 
     if _is_loader(x):
-        plans[id(x)] = (lambda: max(0, epochs - first_epoch()), args.get("steps_per_epoch"))
+        plans[id(x)] = (lambda: max(0, epochs - first_epoch()), args.get("steps_per_epoch"), False)
     val = args.get("validation_data")
     if isinstance(val, (tuple, list)) and val:
         val = val[0]
@@ -170,7 +176,7 @@ def _call_plans(name, model, args):
                 return max(0, epochs - start)
             return sum(1 for epoch in range(start, epochs) if should_eval(epoch, freq))
 
-        plans[id(val)] = (validation_runs, args.get("validation_steps"))
+        plans[id(val)] = (validation_runs, args.get("validation_steps"), True)
     return plans
 
 
@@ -225,8 +231,8 @@ def _make_adapter(base):
             if loader._probing():  # Keras's symbolic build iterates an epoch for one batch
                 loader._keras_epoch_begin(consumer, probe=True)
                 return
-            last = consumer.begin_epoch()
-            loader._keras_epoch_begin(consumer, steps=consumer.steps, last=last)
+            left = consumer.begin_epoch()
+            loader._keras_epoch_begin(consumer, steps=consumer.steps, left=left)
 
         def on_epoch_end(self):
             if self._kpipe_loader is None:

@@ -13,7 +13,7 @@ import weakref
 import keras
 import numpy as np
 
-from kpipe import _keras_hook
+from kpipe import _compat, _keras_hook
 from kpipe._engine import _ahead, _autoscale, _threads, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._cursor import STATE_FORMAT, PassCursor
@@ -50,24 +50,43 @@ class ProcessLoader(keras.utils.PyDataset):
     once in that pass's order, and whatever `steps_per_epoch`, `epochs` or `workers`,
     `fit()` consumes that sequence as it is -- the same number of steps as plain Keras,
     each pass whole. A pass ends when its last batch is handed out; the next read starts
-    the next pass (`epoch` counts them). Keras ends its epochs mid-pass when
-    `steps_per_epoch < len`, so its epoch ends are not passed on; reads Keras makes only
-    to learn the tensor spec or build the model consume nothing. A new `fit()` (or
+    the next pass (`epoch` counts them), and `loader[i]` is always batch `i` of the
+    current pass, in the dataset's current state. Reads Keras makes only to learn the
+    tensor spec or build the model consume nothing. A `fit(epochs=E)` loads each of
+    its `n` batches `E` times: read-ahead continues between epochs and stops at the
+    last one the call runs (`evaluate`, `predict` and validation alike). A new `fit()` (or
     `evaluate()`) that starts while a pass is half read starts that pass again, as plain
     Keras restarts at batch 0. `state()`/`restore()` save and resume the exact position
     (`kpipe.callbacks.BackupAndRestore(save_freq=N)` does it for `fit()`). Details: the
     NOTE in `kpipe/_engine/_cursor.py`.
+
+    Epoch hooks, call for call as plain Keras: the dataset's `on_epoch_begin()` and
+    `on_epoch_end()` run in this process only when a consumer calls them, never for a
+    pass nobody started. Keras's calls (`fit`, `evaluate`, `predict`, validation, and
+    the `on_epoch_end` Keras >= 3.7 makes before the first epoch) reach the dataset as
+    they would reach it unwrapped, with one documented deviation: for a finite dataset,
+    an epoch that begins or ends inside a pass (`steps_per_epoch` or `steps` other than
+    `len`) is not passed on, so a reshuffle can never cut a pass -- the pass goes on in
+    the next epoch. An infinite dataset (`num_batches` None) gets every Keras call, at
+    Keras's epoch boundaries. A manual loop calls `loader.on_epoch_end()` (and
+    `on_epoch_begin()`) itself; `as_dataset()` calls `on_epoch_begin` at the first batch
+    of each pass it streams and `on_epoch_end` when it streamed a pass's last batch.
+    What a hook changes -- a new order, a new `len()` -- reaches the workers before they
+    load anything of the next pass; batches loaded ahead stand if the hook left the
+    dataset as it was (it pickles to the same bytes), else they load again. Read-ahead
+    into a pass waits for the hooks due before it (a dataset that overrides
+    `on_epoch_begin` waits for it at each pass start: `epoch_end_ahead=True` loads the
+    next pass ahead from a copy instead).
 
     Args:
         dataset: Anything with `__getitem__(i)` and `__len__()` (or a `num_batches`
             property, which may be `None` for an infinite dataset used with
             `steps_per_epoch`). `__getitem__` returns a NumPy array, a tuple
             `(x, y)` / `(x, y, sample_weight)`, a dict, or a nesting of these, with
-            numeric or bool leaves; shapes may vary between batches. The dataset's
-            `on_epoch_begin()` runs here before each pass is loaded and its
-            `on_epoch_end()` right after the last batch of each pass is handed out (not
-            at Keras's epoch ends); its new state -- and new length, if `len()` changed
-            -- reaches the workers before the next pass's first batch. It is sent to workers with
+            numeric or bool leaves; shapes may vary between batches. Its
+            `on_epoch_begin()`/`on_epoch_end()` run here when a consumer calls them (the
+            rule above); the new state -- and new length, if `len()` changed -- reaches
+            the workers before the next pass's first batch. It is sent to workers with
             cloudpickle (classes from `__main__` or a notebook work); its NumPy arrays
             of 1 MiB or more are shared, not copied, and read-only in workers.
         workers: Worker processes (or threads with `use_threads=True`). 0 loads
@@ -144,8 +163,8 @@ class ProcessLoader(keras.utils.PyDataset):
             the end of this one is read, instead of waiting at each pass end: once the
             pass's last batch is sent to the workers, the hook runs on a copy of the
             dataset (with this process's `random`/`numpy.random` states restored after
-            it) and the workers load the next pass from the copy's state. The real hook
-            still runs at the pass end; the batches loaded ahead are kept only if the
+            it) and the workers load the next pass from the copy's state. The real hooks
+            still run when the consumer calls them; the batches loaded ahead are kept only if the
             dataset's state then pickles to exactly the copy's bytes (same shared
             arrays, unchanged), else they are loaded again. So the hook runs twice per
             pass: use it only for hooks that change nothing but the dataset (a
@@ -554,15 +573,17 @@ class ProcessLoader(keras.utils.PyDataset):
                 self._pass_completed()
             return batch
 
-    def _keras_epoch_begin(self, consumer, *, steps=None, last=False, probe=False):
+    def _keras_epoch_begin(self, consumer, *, steps=None, left=None, probe=False):
         """Keras began an epoch of the consumer (kpipe's adapter; `consumer.stream` is the
         stream it reads). Runs the dataset's `on_epoch_begin` unless the epoch starts
         inside a pass of a finite dataset (`steps_per_epoch < len`), and sets where
-        read-ahead stops: after the `steps` (None: the rest of the pass) this epoch
-        reads when it is the consumer's `last`, and at the epoch's end for an infinite
-        dataset with hooks (the next epoch loads after them). A `probe`'s epoch (Keras's
-        symbolic build under a strategy) runs the hook as plain Keras does, and sets no
-        limit."""
+        read-ahead stops: where the `left` epochs the call runs from this one on end
+        (each `steps` long, None: to its pass's end; a Keras epoch also ends where a pass
+        does), so nothing loads for an epoch the call will not run. For a dataset with
+        hooks, whose next passes may change, only this epoch counts when it is the last,
+        and an infinite one's epoch ends there too (the next loads after its hooks). A
+        `probe`'s epoch (Keras's symbolic build under a strategy) runs the hook as plain
+        Keras does, and sets no limit."""
         with self._lock:
             stream, consumed = consumer.stream, consumer.consumed
             finite = self.num_batches is not None
@@ -572,9 +593,20 @@ class ProcessLoader(keras.utils.PyDataset):
                 return
             start = self._cursor.stream_position(stream, consumed)
             limit = None
-            if finite and last:
-                limit = (start[0] + 1, 0) if steps is None else min(self._cursor.walk(start, steps), (start[0] + 1, 0))
-            elif not finite and steps is not None and (last or self._stateful):
+            if left is not None and (left == 1 or not self._stateful):
+                limit = start
+                for _ in range(left):
+                    if not finite:
+                        limit = self._cursor.walk(limit, steps) if steps is not None else None
+                    elif steps is None:
+                        limit = (limit[0] + 1, 0)
+                    else:
+                        limit = min(self._cursor.walk(limit, steps), (limit[0] + 1, 0))
+                    if limit is None:
+                        break
+                if finite and steps is not None and not _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET):
+                    limit = min(limit, (start[0] + 1, 0))  # Keras < 3.7 stops where the pass ends
+            elif not finite and steps is not None and self._stateful:
                 limit = self._cursor.walk(start, steps)
             self._set_read_limit(limit)
             if stream is not None and stream.resume is not None:
@@ -601,10 +633,15 @@ class ProcessLoader(keras.utils.PyDataset):
 
     def _keras_epoch_end(self, consumer):
         """Keras ended an epoch of the consumer: runs the dataset's `on_epoch_end`, unless
-        the epoch ended inside a pass of a finite dataset (`steps_per_epoch < len`)."""
+        the epoch ended inside a pass of a finite dataset (`steps_per_epoch < len`). When
+        the epoch ends the consumer's Keras call (the last of `fit`, an `evaluate`, a
+        validation run), Keras >= 3.7 starts the next call with another `on_epoch_end`
+        (its reset) before `on_epoch_begin`: a dataset with hooks loads nothing ahead
+        until then, as the reset may change it again (a reshuffle: all reloaded)."""
         with self._lock:
             if self.num_batches is None or self._cursor.at_pass_start(consumer.stream, consumer.consumed):
-                self._run_hook("on_epoch_end")
+                hold = consumer.ends_call and _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET)
+                self._run_hook("on_epoch_end", hold=hold)  # hold: until on_epoch_begin or a read
 
     def _keras_reset(self, consumer):
         """Keras dropped the consumer's iterator (`EpochIterator.reset`, Keras >= 3.7): its
@@ -825,7 +862,7 @@ class ProcessLoader(keras.utils.PyDataset):
         after the read limit -- see the NOTE in _cursor.py and `_hooks_due`."""
         last = next(reversed(self._queue), None)
         if last is None:
-            key = self._cursor.direct_position() if after is _UNSET else after
+            key = self._cursor.read_position() if after is _UNSET else after
         else:
             key = self._cursor.successor(last, cross_passes=self._may_cross(last[0]))
             if key is None and self._begin_ahead(last):
@@ -890,11 +927,14 @@ class ProcessLoader(keras.utils.PyDataset):
             self._hooks_due = True
         self._fill_after_read()
 
-    def _run_hook(self, name, fill=True):
+    def _run_hook(self, name, fill=True, hold=False):
         """Runs the dataset's `name` ("on_epoch_begin"/"on_epoch_end") now, because its
-        consumer called it, then brings the workers up to date (`_hook_ran`)."""
+        consumer called it, then brings the workers up to date (`_hook_ran`). `hold`: an
+        `on_epoch_end` that another will follow before the head's pass is read (see
+        `_keras_epoch_end`): a dataset with hooks loads nothing ahead yet."""
         if name == "on_epoch_begin" or not self._has_begin:
-            self._hooks_due = False  # the hooks due before the head's pass have run
+            # the hooks due before the head's pass have run
+            self._hooks_due = self._stateful and hold and name == "on_epoch_end"
         hook = getattr(self.dataset, name, None)
         if not _overrides(self.dataset, name):
             if callable(hook):
@@ -950,6 +990,9 @@ class ProcessLoader(keras.utils.PyDataset):
         new_payload, new_keys, rewrote = backend.dump(self.dataset)
         changed = (rewrote or payload is None or new_payload != payload or new_keys != keys
                    or n != self._dataset_length(self._next_unread_pass()))
+        if changed and payload is not None and not rewrote and new_keys == keys \
+                and n == self._dataset_length(self._next_unread_pass()):
+            changed = not backend.same_state(new_payload)  # (other bytes, the same state)
         return changed, (new_payload, new_keys)
 
     def _next_unread_pass(self):

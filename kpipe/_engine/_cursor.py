@@ -87,6 +87,7 @@ class PassCursor:
         self._lengths = {0: length}
         self._probe_depth = 0
         self._probe_streams = []
+        self._reading = None  # the last non-probe stream opened (read_position)
         self._handed_in_pass = False  # anything of the head pass handed out outside a probe
         self._direct_expect = 0  # the position a direct read in order asks for next
         self._direct_done = 0  # positions of the head pass read in order by direct reads
@@ -147,6 +148,8 @@ class PassCursor:
         stream = Stream(self.head, probe=self.probing, hooks=hooks)
         if stream.probe:
             self._probe_streams.append(stream)
+        else:
+            self._reading = stream
         return stream
 
     def next_key(self, stream):
@@ -245,6 +248,17 @@ class PassCursor:
             for stream in self._probe_streams:
                 stream.live = False
             self._probe_streams.clear()
+
+    def read_position(self):
+        """Where reading goes on: the next key of the last stream opened, while it is live
+        and has handed out anything of its pass (an infinite dataset's stream never ends
+        its pass), else `direct_position()`."""
+        stream = self._reading
+        if stream is not None and stream.live and stream.taken > 0:
+            key = self.next_key(stream)
+            if key is not None:
+                return max(key, self.head)
+        return self.direct_position()
 
     def direct_position(self):
         """The first position of the head pass not read in order by direct reads (the
