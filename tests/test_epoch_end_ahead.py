@@ -358,7 +358,8 @@ def test_keras_probes_a_dropped_evaluate_and_shards_around_the_copy_train_as_wit
     plain_w, plain_logs, plain_stats = train(False)
     w, logs, stats = train(True)
     assert logs == plain_logs and all(np.array_equal(a, b) for a, b in zip(w, plain_w))
-    assert stats["passes"] == plain_stats["passes"] and stats["ahead"]["kept"] >= 3
+    # (a call's last pass is not loaded ahead: Keras's next call starts with its own on_epoch_end)
+    assert stats["passes"] == plain_stats["passes"] and stats["ahead"]["kept"] >= 2
 
 
 def test_loaders_dropped_unclosed_while_a_pass_loads_ahead_leave_nothing(no_leaks):
