@@ -169,10 +169,14 @@ class Feed:
             `_standardize_batch`).
         strategy: the model's distribution strategy.
         depth: batches converted ahead.
+        consumer: the adapter's `kpipe._keras_hook.KerasConsumer`: the stream is
+            recorded there, and the thread waits where the loader's read limit says the
+            consumer's Keras epoch ends (see `kpipe.loader.stream_batches`).
     """
 
-    def __init__(self, loader_ref, standardize, strategy, depth=1):
+    def __init__(self, loader_ref, standardize, strategy, depth=1, consumer=None):
         self._ref = loader_ref
+        self._consumer = consumer
         self._standardize = standardize
         self._place = _Placement(strategy)
         self._depth = depth
@@ -197,6 +201,8 @@ class Feed:
         if isinstance(item, _Failure):
             self._done = True
             raise item.exc
+        if self._consumer is not None and self._sync is None:
+            self._consumer.consumed += 1  # Keras took it (the thread reads ahead)
         return item
 
     def _start(self):
@@ -205,10 +211,10 @@ class Feed:
         loader = self._ref()
         probing = loader is not None and loader._probing()
         del loader
-        stream = stream_batches(self._ref)
         if probing:
-            self._sync = stream
+            self._sync = stream_batches(self._ref, consumer=self._consumer)
             return
+        stream = stream_batches(self._ref, consumer=self._consumer, stop=self._stop)
         self._queue = queue.Queue(self._depth)
         stop = self._stop
         weakref.finalize(self, stop.set)  # a dropped feed stops its thread
@@ -232,11 +238,25 @@ class Feed:
             try:
                 return self._queue.get(timeout=_POLL_S)
             except queue.Empty:
+                self._lift_limit_if_waiting()
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError(
                         "kpipe's feed thread ended without a batch, an end or an error: this is a bug in "
                         "kpipe; please report it with the traceback above (if any)."
                     ) from None
+
+
+    def _lift_limit_if_waiting(self):
+        """Keras asks for a batch while the thread waits at the loader's read limit (Keras
+        reads past what its plan said): the loader lifts it."""
+        consumer = self._consumer
+        stream = consumer.stream if consumer is not None else None
+        resume = getattr(stream, "resume", None)
+        if resume is None or resume.is_set():
+            return
+        loader = self._ref()
+        if loader is not None:
+            loader._demand(consumer)
 
 
 def _produce(stream, ref, standardize, place, out, stop):

@@ -40,7 +40,14 @@ then still works (random access), but Keras's epoch ends reach `on_epoch_end`.
 """
 
 import contextlib
+import contextvars
+import functools
+import inspect
 import weakref
+
+# {id(loader): (runs, steps)} for the loaders of the Keras call running in this context
+# (set by `_plan_calls`' wrappers, read when Keras builds the adapters inside the call).
+_PLANS = contextvars.ContextVar("kpipe_keras_plans", default=None)
 
 
 def install():
@@ -54,10 +61,127 @@ def install():
         return
     data_adapters.PyDatasetAdapter = _make_adapter(base)
     _wrap_symbolic_build()
+    _plan_calls()
     _install_feed()
     from kpipe import _compat
 
     _compat.install_keras_fixes()  # a user's own strategy with a ProcessLoader gets them too
+
+
+class KerasConsumer:
+    """One Keras adapter's view of a ProcessLoader: the stream it reads now, and the
+    Keras epochs its call will run (when kpipe's wrappers of `fit`/`evaluate`/`predict`
+    told it: `runs()` epochs of `steps` steps, None: a pass each). Not thread-safe;
+    used under the loader's lock and by Keras's thread."""
+
+    __slots__ = ("stream", "consumed", "steps", "ends_call", "_runs", "_each_a_call", "_total", "_begun")
+
+    def __init__(self, plan=None):
+        self.stream = None
+        self.consumed = 0  # batches of `stream` Keras took (a feed's thread reads ahead)
+        self._runs, self.steps, self._each_a_call = plan if plan is not None else (None, None, False)
+        self.ends_call = False  # the epoch begun last is the last of a Keras call
+        self._total = None
+        self._begun = 0
+
+    def begin_epoch(self):
+        """Counts a Keras epoch; returns how many the call runs from this one on (1: this
+        is its last; None when unknown)."""
+        if self._runs is None:
+            return None
+        if self._total is None:
+            self._total = self._runs()  # at the first epoch: BackupAndRestore has set initial_epoch
+        self._begun += 1
+        left = max(1, self._total - self._begun + 1)
+        # evaluate and each validation run are one epoch each: Keras (>= 3.7) starts the
+        # next such call with its reset's on_epoch_end (see loader._keras_epoch_end)
+        self.ends_call = left == 1 or self._each_a_call
+        return left
+
+
+def _plan_for(loader):
+    plans = _PLANS.get()
+    return plans.get(id(loader)) if plans else None
+
+
+def _plan_calls():
+    """Wraps the TensorFlow trainer's `fit`/`evaluate`/`predict`: while one runs, the
+    adapters Keras builds for its ProcessLoaders (training and validation data) learn how
+    many Keras epochs the call will run and how many steps each, so that a loader reads
+    nothing ahead for an epoch the call will not run (its last epoch ends there)."""
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:
+        return
+    for name in ("fit", "evaluate", "predict"):
+        original = getattr(TensorFlowTrainer, name, None)
+        if original is None or getattr(original, "_kpipe_wrapped", False):
+            continue
+        setattr(TensorFlowTrainer, name, _planned(name, original))
+
+
+def _planned(name, original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+        if kwargs.get("_use_cached_eval_dataset"):  # fit's validation: fit planned it
+            return original(self, *args, **kwargs)
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:  # Keras raises its own error
+            return original(self, *args, **kwargs)
+        bound.apply_defaults()
+        plans = _call_plans(name, self, bound.arguments)
+        if not plans:
+            return original(self, *args, **kwargs)
+        token = _PLANS.set(plans)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _PLANS.reset(token)
+
+    call._kpipe_wrapped = True
+    return call
+
+
+def _call_plans(name, model, args):
+    """`{id(loader): (runs, steps, each_a_call)}` for the ProcessLoaders a call reads (see
+    `_plan_calls`); `runs()` is read at the loader's first epoch, as Keras's `fit` reads
+    `initial_epoch` (BackupAndRestore sets `model._initial_epoch` when training begins);
+    `each_a_call`: every epoch is an `evaluate` call of its own (validation)."""
+    plans = {}
+    x = args.get("x")
+    if name != "fit":
+        if _is_loader(x):
+            plans[id(x)] = (lambda: 1, args.get("steps"), False)
+        return plans
+    epochs, initial = args.get("epochs", 1), args.get("initial_epoch", 0)
+
+    def first_epoch():
+        return getattr(model, "_initial_epoch", None) or initial
+
+    if _is_loader(x):
+        plans[id(x)] = (lambda: max(0, epochs - first_epoch()), args.get("steps_per_epoch"), False)
+    val = args.get("validation_data")
+    if isinstance(val, (tuple, list)) and val:
+        val = val[0]
+    if _is_loader(val) and val is not x:
+        freq = args.get("validation_freq", 1)
+        should_eval = getattr(model, "_should_eval", None)
+
+        def validation_runs():
+            start = first_epoch()
+            if should_eval is None:
+                return max(0, epochs - start)
+            return sum(1 for epoch in range(start, epochs) if should_eval(epoch, freq))
+
+        plans[id(val)] = (validation_runs, args.get("validation_steps"), True)
+    return plans
+
+
+def _is_loader(x):
+    return getattr(type(x), "_kpipe_orders_batches", False)
 
 
 def _make_adapter(base):
@@ -73,6 +197,7 @@ def _make_adapter(base):
             if orders:
                 self._kpipe_loader = weakref.ref(x)
                 self.py_dataset = weakref.proxy(x)  # see NOTE: the graph must not own it
+                self._kpipe_consumer = KerasConsumer(_plan_for(x))
 
         # -------------------------------------------------------------- loader path
         def _loader(self):
@@ -94,16 +219,32 @@ def _make_adapter(base):
         def _kpipe_stream(self):
             from kpipe.loader import stream_batches
 
-            for batch in stream_batches(self._kpipe_loader):
+            consumer = self._kpipe_consumer
+            for batch in stream_batches(self._kpipe_loader, consumer=consumer):
+                consumer.consumed += 1  # (tf.data's prefetch takes them: Keras < 3.7)
                 yield self._standardize_batch(batch)
 
         def on_epoch_begin(self):
             if self._kpipe_loader is None:
                 return super().on_epoch_begin()
+            consumer, loader = self._kpipe_consumer, self._loader()
+            if loader._probing():  # Keras's symbolic build iterates an epoch for one batch
+                loader._keras_epoch_begin(consumer, probe=True)
+                return
+            left = consumer.begin_epoch()
+            loader._keras_epoch_begin(consumer, steps=consumer.steps, left=left)
 
         def on_epoch_end(self):
             if self._kpipe_loader is None:
                 return super().on_epoch_end()
+            self._loader()._keras_epoch_end(self._kpipe_consumer)
+
+        def _kpipe_reset(self):
+            """Keras (>= 3.7) dropped its iterator (`EpochIterator.reset`)."""
+            if self._kpipe_loader is not None:
+                loader = self._kpipe_loader()
+                if loader is not None:
+                    loader._keras_reset(self._kpipe_consumer)
 
         def _kpipe_feed(self, strategy):
             """The iterator kpipe's epoch iterator gives Keras for one stream (see the
@@ -113,7 +254,7 @@ def _make_adapter(base):
             from kpipe._feed import Feed
 
             self._loader()  # a clear error when the loader is gone
-            return Feed(self._kpipe_loader, self._standardize_batch, strategy)
+            return Feed(self._kpipe_loader, self._standardize_batch, strategy, consumer=self._kpipe_consumer)
 
         @contextlib.contextmanager
         def _kpipe_probe(self):
@@ -165,6 +306,12 @@ def _install_feed():
 
     class TFEpochIterator(base):
         _kpipe_feeds = True
+
+        def reset(self):
+            reset = getattr(self.data_adapter, "_kpipe_reset", None)
+            if reset is not None:
+                reset()
+            return super().reset()
 
         def _get_iterator(self):
             feed = getattr(self.data_adapter, "_kpipe_feed", None)

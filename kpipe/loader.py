@@ -13,7 +13,7 @@ import weakref
 import keras
 import numpy as np
 
-from kpipe import _keras_hook
+from kpipe import _compat, _keras_hook
 from kpipe._engine import _ahead, _autoscale, _threads, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._cursor import STATE_FORMAT, PassCursor
@@ -26,6 +26,8 @@ _DEFAULT_TIMEOUT_S = 120.0
 _UNSET = object()
 _AUTOSCALE_READ_S = 0.02  # workers="auto": counters are read at most this often
 _AUTO_DECISIONS_KEPT = 100
+_AT_LIMIT = object()  # _stream_next: the stream waits at the read limit (see stream_batches)
+_PARK_POLL_S = 0.1
 # _maybe_suggest_ahead logs once pass-start waits reach this share of the time since the first batch.
 _SUGGEST_AHEAD_SHARE = 0.05
 logger = logging.getLogger("kpipe")
@@ -48,24 +50,43 @@ class ProcessLoader(keras.utils.PyDataset):
     once in that pass's order, and whatever `steps_per_epoch`, `epochs` or `workers`,
     `fit()` consumes that sequence as it is -- the same number of steps as plain Keras,
     each pass whole. A pass ends when its last batch is handed out; the next read starts
-    the next pass (`epoch` counts them). Keras ends its epochs mid-pass when
-    `steps_per_epoch < len`, so its epoch ends are not passed on; reads Keras makes only
-    to learn the tensor spec or build the model consume nothing. A new `fit()` (or
+    the next pass (`epoch` counts them), and `loader[i]` is always batch `i` of the
+    current pass, in the dataset's current state. Reads Keras makes only to learn the
+    tensor spec or build the model consume nothing. A `fit(epochs=E)` loads each of
+    its `n` batches `E` times: read-ahead continues between epochs and stops at the
+    last one the call runs (`evaluate`, `predict` and validation alike). A new `fit()` (or
     `evaluate()`) that starts while a pass is half read starts that pass again, as plain
     Keras restarts at batch 0. `state()`/`restore()` save and resume the exact position
     (`kpipe.callbacks.BackupAndRestore(save_freq=N)` does it for `fit()`). Details: the
     NOTE in `kpipe/_engine/_cursor.py`.
+
+    Epoch hooks, call for call as plain Keras: the dataset's `on_epoch_begin()` and
+    `on_epoch_end()` run in this process only when a consumer calls them, never for a
+    pass nobody started. Keras's calls (`fit`, `evaluate`, `predict`, validation, and
+    the `on_epoch_end` Keras >= 3.7 makes before the first epoch) reach the dataset as
+    they would reach it unwrapped, with one documented deviation: for a finite dataset,
+    an epoch that begins or ends inside a pass (`steps_per_epoch` or `steps` other than
+    `len`) is not passed on, so a reshuffle can never cut a pass -- the pass goes on in
+    the next epoch. An infinite dataset (`num_batches` None) gets every Keras call, at
+    Keras's epoch boundaries. A manual loop calls `loader.on_epoch_end()` (and
+    `on_epoch_begin()`) itself; `as_dataset()` calls `on_epoch_begin` at the first batch
+    of each pass it streams and `on_epoch_end` when it streamed a pass's last batch.
+    What a hook changes -- a new order, a new `len()` -- reaches the workers before they
+    load anything of the next pass; batches loaded ahead stand if the hook left the
+    dataset as it was (it pickles to the same bytes), else they load again. Read-ahead
+    into a pass waits for the hooks due before it (a dataset that overrides
+    `on_epoch_begin` waits for it at each pass start: `epoch_end_ahead=True` loads the
+    next pass ahead from a copy instead).
 
     Args:
         dataset: Anything with `__getitem__(i)` and `__len__()` (or a `num_batches`
             property, which may be `None` for an infinite dataset used with
             `steps_per_epoch`). `__getitem__` returns a NumPy array, a tuple
             `(x, y)` / `(x, y, sample_weight)`, a dict, or a nesting of these, with
-            numeric or bool leaves; shapes may vary between batches. The dataset's
-            `on_epoch_begin()` runs here before each pass is loaded and its
-            `on_epoch_end()` right after the last batch of each pass is handed out (not
-            at Keras's epoch ends); its new state -- and new length, if `len()` changed
-            -- reaches the workers before the next pass's first batch. It is sent to workers with
+            numeric or bool leaves; shapes may vary between batches. Its
+            `on_epoch_begin()`/`on_epoch_end()` run here when a consumer calls them (the
+            rule above); the new state -- and new length, if `len()` changed -- reaches
+            the workers before the next pass's first batch. It is sent to workers with
             cloudpickle (classes from `__main__` or a notebook work); its NumPy arrays
             of 1 MiB or more are shared, not copied, and read-only in workers.
         workers: Worker processes (or threads with `use_threads=True`). 0 loads
@@ -142,8 +163,8 @@ class ProcessLoader(keras.utils.PyDataset):
             the end of this one is read, instead of waiting at each pass end: once the
             pass's last batch is sent to the workers, the hook runs on a copy of the
             dataset (with this process's `random`/`numpy.random` states restored after
-            it) and the workers load the next pass from the copy's state. The real hook
-            still runs at the pass end; the batches loaded ahead are kept only if the
+            it) and the workers load the next pass from the copy's state. The real hooks
+            still run when the consumer calls them; the batches loaded ahead are kept only if the
             dataset's state then pickles to exactly the copy's bytes (same shared
             arrays, unchanged), else they are loaded again. So the hook runs twice per
             pass: use it only for hooks that change nothing but the dataset (a
@@ -243,8 +264,7 @@ class ProcessLoader(keras.utils.PyDataset):
             self._ahead_stats = {"kept": 0, "missed": 0, "skipped": 0, "off": off, "last_reason": None}
         self._ahead_tried = None  # the pass whose end was last tried
         self._ahead_fails = 0  # misses and skips in a row
-        if _overrides(dataset, "on_epoch_begin"):
-            dataset.on_epoch_begin()  # pass 0 begins now, before the dataset goes to workers
+        self._has_begin = _overrides(dataset, "on_epoch_begin")
         num_batches = _num_batches(dataset)
         if num_shards is None and shard_index is None:
             from kpipe.distribute._cluster import default_shard
@@ -263,7 +283,15 @@ class ProcessLoader(keras.utils.PyDataset):
         self._queue = collections.OrderedDict()  # key (pass, position) -> _Entry, keys ascending
         self._backend = None
         self._closed = False
-        self._deferred = None  # an error from the dataset's on_epoch_end, raised at the next read
+        # The consumer may call the dataset's hooks before it reads the head pass (Keras
+        # >= 3.7 calls on_epoch_end before the first epoch; a pass end is followed by one):
+        # a dataset with hooks loads nothing of that pass ahead until they ran, or until
+        # the consumer reads it (see _hook_ran and the class docstring's hook rule).
+        self._hooks_due = self._stateful
+        # Where read-ahead stops: the key after the last one the consumer will read, when
+        # Keras said so (its last epoch; the end of a Keras epoch of an infinite dataset
+        # with hooks). None: no limit. Reads past it lift it.
+        self._read_limit = None
         self._checker = _tree.StructureChecker(self._name)
         # Batches kept in flight: two per worker, grown (up to max_queue_size) when a
         # worker idles behind a slow batch. Fewer slots in flight means less shared
@@ -302,36 +330,41 @@ class ProcessLoader(keras.utils.PyDataset):
         return n
 
     def __getitem__(self, index):
-        """Batch `index` of the current pass: index 0 starts reading at the first batch
-        not consumed yet (see the class docstring on passes)."""
+        """Batch `index` of the current pass, in any order of access (see the class
+        docstring on passes); reading its last batch in order ends the pass."""
         index = operator.index(index)
         with self._lock:
-            self._raise_deferred()
             n = self.num_batches
             if index < 0 and n is not None:
                 index += n
             if index < 0 or (n is not None and index >= n):
                 raise IndexError(f"Batch index {index} is out of range for a loader of {n} batches per pass.")
-            stream, key, sequential = self._cursor.direct_key(index)
-            return self._hand_out(stream, key, sequential)
+            key, sequential = self._cursor.direct_key(index)
+            batch = self._fetch(key, keep=self._cursor.probing)
+            if self._cursor.handed_out_direct(key, sequential):
+                self._pass_completed()
+            return batch
 
     def on_epoch_begin(self):
-        """Does nothing: the dataset's `on_epoch_begin` runs when a pass begins."""
+        """Runs the dataset's `on_epoch_begin` now (a manual loop calls it; Keras's calls
+        take kpipe's adapter, see the class docstring)."""
+        with self._lock:
+            self._run_hook("on_epoch_begin")
 
     def on_epoch_end(self):
-        """Ends the current pass now if any of its batches were read, as a manual loop
-        that stops early expects; a pass read to its last batch already ended then.
+        """Runs the dataset's `on_epoch_end` now, once, and ends the current pass if any of
+        it was read (a loop that stops early starts the next pass at `loader[0]`); a pass
+        read to its last batch ended then. Its new state reaches the workers before they
+        load the next pass; batches loaded ahead stand if the hook left the dataset as it
+        was (it pickles to the same bytes).
 
-        `fit`/`evaluate`/`predict` never call this on a `ProcessLoader` (kpipe's Keras
-        adapter does not forward Keras's epoch ends, which fall mid-pass when
-        `steps_per_epoch < len`): the dataset's own `on_epoch_end` runs at the end of
-        each pass instead.
+        `fit`/`evaluate`/`predict` do not call this: kpipe's adapter passes Keras's epoch
+        calls on by the rule of the class docstring.
         """
         with self._lock:
-            self._raise_deferred()
-            if self._cursor.end_pass_early():
-                self._after_pass()
-                self._raise_deferred()
+            if self._cursor.pass_begun():
+                self._pass_completed()
+            self._run_hook("on_epoch_end")
 
     # ------------------------------------------------------------------ extras
     @property
@@ -461,7 +494,7 @@ class ProcessLoader(keras.utils.PyDataset):
         finite = self.num_batches is not None
 
         def generate():
-            for batch in stream_batches(ref):
+            for batch in stream_batches(ref, hooks="iteration"):
                 yield _lists_to_tuples(batch)
 
         ds = tf.data.Dataset.from_generator(generate, output_signature=signature)
@@ -509,25 +542,119 @@ class ProcessLoader(keras.utils.PyDataset):
         )
 
     # ------------------------------------------------- streams (kpipe's Keras adapter)
-    def _open_stream(self):
+    def _open_stream(self, hooks=None, consumer=None):
+        """A stream over the rest of the head's pass. `hooks`: "keras" (Keras's adapter
+        passes its epoch calls on, `consumer` records the stream) or "iteration" (the
+        stream's start and end run the dataset's hooks: `as_dataset()`)."""
         with self._lock:
-            self._raise_deferred()
-            return self._cursor.open_stream()
+            stream = self._cursor.open_stream(hooks=hooks)
+            if consumer is not None and not stream.probe:
+                consumer.stream, consumer.consumed = stream, 0
+            return stream
 
     def _stream_next(self, stream):
         """The next batch of `stream`, or None when its pass has ended."""
         with self._lock:
-            self._raise_deferred()
+            if stream.hooks == "iteration" and not stream.began and stream.live:
+                stream.began = True
+                if self._cursor.at_pass_start(None) and stream.base == self._cursor.head:
+                    self._run_hook("on_epoch_begin")
             key = self._cursor.next_key(stream)
             if key is None or (stream.probe and not self._probe_may_load(key)):
+                if stream.hooks == "iteration" and not stream.ended and self._cursor.stream_at_pass_end(stream):
+                    stream.ended = True
+                    self._run_hook("on_epoch_end")
                 return None
-            return self._hand_out(stream, key, True)
+            if stream.resume is not None and self._read_limit is not None and key >= self._read_limit:
+                stream.resume.clear()
+                return _AT_LIMIT
+            batch = self._fetch(key, keep=stream.probe)
+            if self._cursor.handed_out(stream, key):
+                self._pass_completed()
+            return batch
+
+    def _keras_epoch_begin(self, consumer, *, steps=None, left=None, probe=False):
+        """Keras began an epoch of the consumer (kpipe's adapter; `consumer.stream` is the
+        stream it reads). Runs the dataset's `on_epoch_begin` unless the epoch starts
+        inside a pass of a finite dataset (`steps_per_epoch < len`), and sets where
+        read-ahead stops: where the `left` epochs the call runs from this one on end
+        (each `steps` long, None: to its pass's end; a Keras epoch also ends where a pass
+        does), so nothing loads for an epoch the call will not run. For a dataset with
+        hooks, whose next passes may change, only this epoch counts when it is the last,
+        and an infinite one's epoch ends there too (the next loads after its hooks). A
+        `probe`'s epoch (Keras's symbolic build under a strategy) runs the hook as plain
+        Keras does, and sets no limit."""
+        with self._lock:
+            stream, consumed = consumer.stream, consumer.consumed
+            finite = self.num_batches is not None
+            if not finite or self._cursor.at_pass_start(stream, consumed):
+                self._run_hook("on_epoch_begin", fill=probe)
+            if probe:
+                return
+            start = self._cursor.stream_position(stream, consumed)
+            limit = None
+            if left is not None and (left == 1 or not self._stateful):
+                limit = start
+                for _ in range(left):
+                    if not finite:
+                        limit = self._cursor.walk(limit, steps) if steps is not None else None
+                    elif steps is None:
+                        limit = (limit[0] + 1, 0)
+                    else:
+                        limit = min(self._cursor.walk(limit, steps), (limit[0] + 1, 0))
+                    if limit is None:
+                        break
+                if finite and steps is not None and not _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET):
+                    limit = min(limit, (start[0] + 1, 0))  # Keras < 3.7 stops where the pass ends
+            elif not finite and steps is not None and self._stateful:
+                limit = self._cursor.walk(start, steps)
+            self._set_read_limit(limit)
+            if stream is not None and stream.resume is not None:
+                stream.resume.set()  # a stream waiting at the old limit goes on
+
+    def _set_read_limit(self, limit):
+        """Read-ahead stops before `limit` (None: no limit); queued batches at or after
+        it are dropped, and a stream waiting at the old limit goes on."""
+        self._read_limit = limit
+        if limit is not None:
+            for k in [k for k in self._queue if k >= limit]:
+                self._drop(k)
+        self._fill_after_read()
+
+    def _demand(self, consumer):
+        """The reader of `consumer`'s stream waits at the read limit while Keras asks for
+        a batch: the limit was Keras's plan, and Keras reads on -- lift it."""
+        with self._lock:
+            self._read_limit = None
+            stream = consumer.stream
+            if stream is not None and stream.resume is not None:
+                stream.resume.set()
+            self._fill()
+
+    def _keras_epoch_end(self, consumer):
+        """Keras ended an epoch of the consumer: runs the dataset's `on_epoch_end`, unless
+        the epoch ended inside a pass of a finite dataset (`steps_per_epoch < len`). When
+        the epoch ends the consumer's Keras call (the last of `fit`, an `evaluate`, a
+        validation run), Keras >= 3.7 starts the next call with another `on_epoch_end`
+        (its reset) before `on_epoch_begin`: a dataset with hooks loads nothing ahead
+        until then, as the reset may change it again (a reshuffle: all reloaded)."""
+        with self._lock:
+            if self.num_batches is None or self._cursor.at_pass_start(consumer.stream, consumer.consumed):
+                hold = consumer.ends_call and _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET)
+                self._run_hook("on_epoch_end", hold=hold)  # hold: until on_epoch_begin or a read
+
+    def _keras_reset(self, consumer):
+        """Keras dropped the consumer's iterator (`EpochIterator.reset`, Keras >= 3.7): its
+        stream ends, and the next one starts the head's pass again."""
+        with self._lock:
+            stream, consumer.stream = consumer.stream, None
+            if stream is not None:
+                stream.live = False
 
     def _peek(self, index):
         """Batch `index` after the head, for a probe (Keras's tensor spec): moves nothing,
         and the batch is kept for the read that consumes it."""
         with self._lock:
-            self._raise_deferred()
             return self._fetch(self._cursor.walk(self._cursor.head, index), keep=True)
 
     def _begin_probe(self):
@@ -612,19 +739,17 @@ class ProcessLoader(keras.utils.PyDataset):
             specs.append(tf.TensorSpec(shape, tf.as_dtype(a.dtype)))
         return _lists_to_tuples(_tree.unflatten(treedef, specs))
 
-    def _hand_out(self, stream, key, sequential):
-        batch = self._fetch(key, keep=stream.probe)
-        if self._cursor.handed_out(stream, key, sequential):
-            self._cursor.complete_pass()
-            self._after_pass()
-        return batch
-
     def _fetch(self, key, keep):
         """The batch at `key`: loaded (or taken from what a probe kept). `keep` keeps it
         queued for the next read of the same key."""
         backend = self._ensure_backend()
-        if self._ahead is not None and key[0] >= self._ahead.pass_:  # before its real hook ran
-            self._cancel_ahead()
+        if not keep:  # a real read: the consumer goes on (with the dataset as it is)
+            if self._ahead is not None and key[0] >= self._ahead.pass_:  # before its real hooks ran
+                self._cancel_ahead()
+            if key[0] >= self._cursor.head[0]:
+                self._hooks_due = False
+            if self._read_limit is not None and key >= self._read_limit:
+                self._read_limit = None
         entry = self._seek(key, probe=keep)
         if entry.batch is not None:
             batch = entry.batch
@@ -731,18 +856,25 @@ class ProcessLoader(keras.utils.PyDataset):
 
     def _next_dispatch(self, after=_UNSET):
         """The next key to load: after the last queued one (or the head / the current
-        read), at most one pass past the head, and across a pass boundary only when the
-        next pass's plan cannot change (no epoch hooks) -- see the NOTE in _cursor.py."""
+        read), at most one pass past the head, across a pass boundary only when the next
+        pass's plan cannot change (no epoch hooks), nothing of the head's pass while the
+        consumer may still call the dataset's hooks before reading it, and nothing at or
+        after the read limit -- see the NOTE in _cursor.py and `_hooks_due`."""
         last = next(reversed(self._queue), None)
         if last is None:
-            key = self._cursor.direct_position() if after is _UNSET else after
+            key = self._cursor.read_position() if after is _UNSET else after
         else:
             key = self._cursor.successor(last, cross_passes=self._may_cross(last[0]))
             if key is None and self._begin_ahead(last):
                 key = self._cursor.successor(last, cross_passes=True)
         if key is None or key[0] > self._cursor.read_ahead_limit():
             return None
-        return max(key, self._cursor.head)
+        key = max(key, self._cursor.head)
+        if self._read_limit is not None and key >= self._read_limit:
+            return None
+        if self._hooks_due and not (self._ahead is not None and key[0] >= self._ahead.pass_):
+            return None
+        return key
 
     def _fill(self, after=_UNSET, new_slot=True):
         """Submits batches up to the window. One that would need a new shared-memory slot
@@ -776,44 +908,105 @@ class ProcessLoader(keras.utils.PyDataset):
         if self._fill(after=after, new_slot=not wait) and wait:
             self._slot_awaited, self._releases_seen = True, backend.slot_releases
 
-    def _after_pass(self):
-        """A pass ended: the dataset's own `on_epoch_end`/`on_epoch_begin` run here, its
-        new length is read and its new state reaches the workers before the next pass
-        loads. An error is raised at the next read (this batch is already out)."""
+    def _pass_completed(self):
+        """The head's pass was read to its end (or ended early by `on_epoch_end`): new
+        reads start the next pass, which keeps the dataset's length. With epoch hooks,
+        nothing of it loads ahead until the consumer called them or reads it."""
+        self._cursor.complete_pass()
         self._stats["passes"] += 1
         self._maybe_suggest_ahead()
         head = self._cursor.head
         self._completed_before = head[0]
         for k in [k for k in self._queue if k < head]:
             self._drop(k)
-        n = self._dataset_length(head[0] - 1)  # the pass that ended (one loaded ahead is newer)
+        if head[0] not in self._dataset_lengths:  # (epoch_end_ahead may have set it)
+            n = self._dataset_length(head[0] - 1)
+            self._dataset_lengths[head[0]] = n
+            self._cursor.set_length(head[0], self._planner.length(n))
         if self._stateful:
-            try:
-                _call_hooks(self.dataset)
-                n = _num_batches(self.dataset)
-            except BaseException as exc:  # the workers keep the state they have, as the dataset failed
-                try:
-                    self._cancel_ahead()
-                except BaseException:  # (it closed the pool: the next read starts a new one)
-                    pass
-                self._after_failure()
-                self._deferred = exc
-            else:
-                try:
-                    kept, dumped = self._keep_ahead(n)
-                    if not kept:
-                        for k in list(self._queue):
-                            self._drop(k)
-                        if self._backend is not None:
-                            self._backend.reset_target(self.dataset, dumped=dumped)
-                except BaseException as exc:
-                    if isinstance(self._backend, ProcessBackend) and not self._backend.closed:
-                        self._backend.close(force=True)  # its workers' state is unknown: the next read starts a new pool
-                    self._after_failure()
-                    self._deferred = exc
-        self._dataset_lengths[head[0]] = n
-        self._cursor.set_length(head[0], self._planner.length(n))
+            self._hooks_due = True
         self._fill_after_read()
+
+    def _run_hook(self, name, fill=True, hold=False):
+        """Runs the dataset's `name` ("on_epoch_begin"/"on_epoch_end") now, because its
+        consumer called it, then brings the workers up to date (`_hook_ran`). `hold`: an
+        `on_epoch_end` that another will follow before the head's pass is read (see
+        `_keras_epoch_end`): a dataset with hooks loads nothing ahead yet."""
+        if name == "on_epoch_begin" or not self._has_begin:
+            # the hooks due before the head's pass have run
+            self._hooks_due = self._stateful and hold and name == "on_epoch_end"
+        hook = getattr(self.dataset, name, None)
+        if not _overrides(self.dataset, name):
+            if callable(hook):
+                hook()  # (PyDataset's no-op)
+            if fill:
+                self._fill_after_read()
+            return
+        try:
+            hook()
+        finally:
+            self._hook_ran(name, fill)
+
+    def _hook_ran(self, name, fill):
+        """After a hook that may have changed the dataset: batches loaded ahead stand if
+        it pickles to the bytes the workers hold (or, with epoch_end_ahead, to the copy's);
+        else they are dropped and the workers get the new state (and length) before they
+        load anything more. Threads and `workers=0` share the dataset: what was loaded
+        ahead is dropped."""
+        n = _num_batches(self.dataset)
+        ahead = self._ahead
+        if ahead is not None and ahead.pass_ == self._cursor.head[0] and self._cursor.at_pass_start(None):
+            if name == "on_epoch_end" and self._has_begin:
+                ahead.real_hooks_ran = True  # compared once on_epoch_begin ran too
+                return
+            kept, dumped = self._keep_ahead(n)
+            changed = not kept
+        else:
+            if ahead is not None:
+                self._cancel_ahead()
+            changed, dumped = self._state_changed(n)
+        if changed:
+            for k in list(self._queue):
+                self._drop(k)
+            self._set_length(n)
+            backend = self._backend
+            if backend is not None and not backend.closed:
+                try:
+                    backend.reset_target(self.dataset, dumped=dumped)
+                except BaseException:
+                    backend.close(force=True)  # its workers' state is unknown: the next read starts a new pool
+                    self._after_failure()
+                    raise
+        if fill:
+            self._fill_after_read()
+
+    def _state_changed(self, n):
+        """Whether the workers' copy of the dataset is stale now (with a fresh pickle of
+        it, or None where the backend holds no pickle)."""
+        backend = self._backend
+        if not isinstance(backend, ProcessBackend) or backend.closed:
+            return True, None
+        payload, keys = backend.current_state()
+        new_payload, new_keys, rewrote = backend.dump(self.dataset)
+        changed = (rewrote or payload is None or new_payload != payload or new_keys != keys
+                   or n != self._dataset_length(self._next_unread_pass()))
+        if changed and payload is not None and not rewrote and new_keys == keys \
+                and n == self._dataset_length(self._next_unread_pass()):
+            changed = not backend.same_state(new_payload)  # (other bytes, the same state)
+        return changed, (new_payload, new_keys)
+
+    def _next_unread_pass(self):
+        """The first pass nothing of which was read: where a new length applies."""
+        head = self._cursor.head
+        return head[0] if head[1] == 0 and not self._cursor.handed_in_pass else head[0] + 1
+
+    def _set_length(self, n):
+        pass_ = self._next_unread_pass()
+        for p in [p for p in self._dataset_lengths if p > pass_]:
+            del self._dataset_lengths[p]
+        self._cursor.forget_lengths_after(pass_)
+        self._dataset_lengths[pass_] = n
+        self._cursor.set_length(pass_, self._planner.length(n))
 
     def _maybe_suggest_ahead(self):
         """Once per loader, at INFO: the consumer spent a noticeable share of its time
@@ -837,6 +1030,8 @@ class ProcessLoader(keras.utils.PyDataset):
         self._completed_before = None  # the next pass start is a (re)start, not a pass end
         self._cancel_ahead()
         self._ahead_tried = None
+        self._read_limit = None
+        self._hooks_due = self._stateful and position == 0
         for k in list(self._queue):
             self._drop(k)
         self._dataset_lengths[pass_] = num_batches
@@ -848,11 +1043,6 @@ class ProcessLoader(keras.utils.PyDataset):
         """The dataset's own len() at pass `pass_` (the newest known when not recorded)."""
         lengths = self._dataset_lengths
         return lengths.get(pass_, lengths[max(lengths)]) if pass_ is not None else lengths[max(lengths)]
-
-    def _raise_deferred(self):
-        exc, self._deferred = self._deferred, None
-        if exc is not None:
-            raise exc
 
     def _start_backend(self):
         common = dict(mode="dataset", name=self._name)
@@ -870,7 +1060,7 @@ class ProcessLoader(keras.utils.PyDataset):
                 seed=self.seed,
                 keep_idle=self.max_queue_size + (auto.max_workers if auto else self.num_workers),
                 max_workers=auto.max_workers if auto else None,
-                keep_payload=self._ahead_enabled(),
+                keep_payload=self._stateful,  # compared with the dataset after its hooks
                 worker_threads=self.worker_threads,
                 **common,
             )
@@ -895,7 +1085,8 @@ class ProcessLoader(keras.utils.PyDataset):
         if (
             not self._ahead_enabled() or self._ahead is not None or self._ahead_tried == pass_
             or pass_ != self._cursor.head[0] or pass_ + 1 > self._cursor.read_ahead_limit()
-            or self._deferred is not None or not isinstance(backend, ProcessBackend) or backend.closed
+            or (self._read_limit is not None and (pass_ + 1, 0) >= self._read_limit)
+            or not isinstance(backend, ProcessBackend) or backend.closed
         ):
             return False
         self._ahead_tried = pass_
@@ -967,11 +1158,16 @@ class ProcessLoader(keras.utils.PyDataset):
         backend = self._backend
         if backend is not None and not backend.closed:
             try:
-                backend.reset_target(None, dumped=(ahead.prev_payload, ahead.prev_keys))
+                if ahead.real_hooks_ran:  # the dataset's own hook ran since: the workers need its state
+                    backend.reset_target(self.dataset)
+                else:
+                    backend.reset_target(None, dumped=(ahead.prev_payload, ahead.prev_keys))
             except BaseException:
                 backend.close(force=True)
                 self._after_failure()
                 raise
+        if ahead.real_hooks_ran:
+            self._set_length(_num_batches(self.dataset))
 
     def _forget_ahead(self):
         ahead, self._ahead = self._ahead, None
@@ -1137,17 +1333,42 @@ def _lists_to_tuples(tree):
     return tree
 
 
-def stream_batches(ref):
+def stream_batches(ref, *, hooks=None, consumer=None, stop=None):
     """Yields one stream of the loader behind weak reference `ref`: the rest of its current
-    pass. Holds the loader only while fetching (see NOTE in kpipe/_keras_hook.py)."""
+    pass. Holds the loader only while fetching (see NOTE in kpipe/_keras_hook.py).
+
+    Args:
+        ref: A weak reference to the loader.
+        hooks: "iteration" for a stream whose start and end run the dataset's epoch hooks
+            (`as_dataset()`). Defaults to None.
+        consumer: The Keras consumer (kpipe's adapter) reading the stream: it then
+            records the stream, and Keras's epoch calls are passed on by the stream's
+            position. Defaults to None.
+        stop: A `threading.Event` of the reader (kpipe's feed thread): with it, the
+            stream waits at the loader's read limit -- where the consumer's Keras epoch
+            ends and its hooks come first, or where its last epoch ends -- instead of
+            loading past it, until the limit moves, is lifted (`_demand`), or `stop` is
+            set (the stream then ends). Without it the stream reads on: a tf.data thread
+            must never wait for the main thread. Defaults to None.
+    """
     loader = ref()
     if loader is None:
         return
-    stream = loader._open_stream()
+    stream = loader._open_stream(hooks=hooks, consumer=consumer)
+    if stop is not None:
+        stream.resume = threading.Event()  # set: reading; clear: waiting at the read limit
+        stream.resume.set()
     del loader
     while True:
         loader = ref()
         batch = None if loader is None else loader._stream_next(stream)
+        if batch is _AT_LIMIT:
+            event = stream.resume
+            del loader
+            while not event.wait(_PARK_POLL_S):
+                if stop.is_set() or ref() is None:
+                    return
+            continue
         del loader
         if batch is None:
             return

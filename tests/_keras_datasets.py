@@ -94,3 +94,36 @@ class GrowingIds(BatchIds):
     def on_epoch_end(self):
         self.ends += 1
         self.n += 2
+
+
+class HookLog(BatchIds):
+    """Records its epoch hooks ("B", "E") in `calls`, in this process, and appends each
+    load to the file `log`; `reshuffle`: on_epoch_end replaces the order (batch i holds
+    id order[i]), seeded by the count of calls; `infinite`: num_batches is None."""
+
+    def __init__(self, n=6, log=None, reshuffle=False, infinite=False, **kwargs):
+        super().__init__(n, log, **kwargs)
+        self.calls, self.reshuffle, self.infinite = [], reshuffle, infinite
+        self.order = np.arange(n)
+
+    @property
+    def num_batches(self):
+        return None if self.infinite else self.n
+
+    def __getstate__(self):  # the record of calls is not state the batches depend on
+        return {k: v for k, v in self.__dict__.items() if k != "calls"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, calls=[])
+
+    def __getitem__(self, i):
+        self._note(i)
+        return np.full((2, 3), self.order[i % self.n], "float32"), np.zeros((2, 1), "float32")
+
+    def on_epoch_begin(self):
+        self.calls.append("B")
+
+    def on_epoch_end(self):
+        self.calls.append("E")
+        if self.reshuffle:
+            self.order = np.random.default_rng(len(self.calls)).permutation(self.n)

@@ -76,11 +76,14 @@ def test_the_next_epoch_loads_ahead_only_without_epoch_hooks(kw, no_leaks):
             ref.on_epoch_end()
             assert loader.epoch == ref.epoch == epoch + 1
     # on_epoch_end may change what the batches hold: nothing of the next pass is loaded
-    # before the dataset's on_epoch_end has run and its new state reached the workers.
+    # before the consumer called the dataset's on_epoch_end (or reads the pass) and its
+    # new state reached the workers. kpipe calls no hook itself.
     with kpipe.ProcessLoader(Reshuffling(n=6, big=False), max_queue_size=4, **kw) as loader:
         first = [loader[i] for i in range(5)]
         assert all(k[0] == 0 for k in loader._queue)
-        first.append(loader[5])  # the pass ends: on_epoch_end runs, then pass 1 loads
+        first.append(loader[5])  # the pass ends; the dataset's hook waits for the consumer
+        assert loader.dataset.epochs_seen == 0 and not loader._queue and loader.epoch == 1
+        loader.on_epoch_end()  # runs the hook now; then pass 1 loads
         assert loader.dataset.epochs_seen == 1 and min(loader._queue) == (1, 0)
         assert all(int(b[1][0]) == 0 for b in first) and int(loader[0][1][0]) == 1
 

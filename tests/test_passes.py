@@ -115,10 +115,14 @@ def test_fit_consumes_whole_passes_with_the_steps_keras_takes(steps, shuffle, wo
     assert ids == planned(n, len(ids), shuffle, seed=0)  # passes in plan order, none cut
     if not shuffle:
         assert ids == keras_ids
-    assert len(ids) // n <= stats["passes"] <= -(-len(ids) // n)  # read-ahead may end the last
-    # Keras's 2 tensor-spec reads are served from the batches loaded for training; what
-    # is left is read-ahead that cannot know training ended.
-    assert len(ids) <= loads(log) <= len(ids) + 2 + 2 * max(workers, 2)
+    # Keras's 2 tensor-spec reads are served from the batches loaded for training, and
+    # read-ahead stops where the last epoch does: one load per step. Keras < 3.7 reads a
+    # loader through tf.data, whose prefetch pulls past the last step (README: deviations).
+    if _RESTARTS:
+        assert stats["passes"] == len(ids) // n  # a pass cut by the last epoch does not end
+        assert loads(log) == len(ids)
+    else:
+        assert len(ids) <= loads(log) <= len(ids) + 4 + 2 * max(workers, 2)
 
 
 def test_fit_with_threads_and_a_stateful_dataset_keeps_whole_passes(tmp_path, no_leaks):
@@ -130,7 +134,9 @@ def test_fit_with_threads_and_a_stateful_dataset_keeps_whole_passes(tmp_path, no
     assert len(ids) == 5 + 5 + 2 + 5 + 5 + 2
     passes = [ids[i : i + n] for i in range(0, len(ids), n)]
     assert all(sorted(p) == list(range(n)) for p in passes)
-    assert ends == 2  # after each pass, not after each of the 6 Keras epochs
+    # after each pass, not after each of the 6 Keras epochs; Keras >= 3.7 also calls it once
+    # before the first epoch, at a pass start, as it does for the plain dataset
+    assert ends == 2 + (1 if _RESTARTS else 0)
     # plain Keras calls on_epoch_end after every Keras epoch, mid-pass: batches repeat
     plain = ReplacingIds(n)
     keras_ids, _ = consumed(new_model().fit, plain, epochs=6, steps_per_epoch=5, shuffle=False)
@@ -219,6 +225,7 @@ def test_a_length_changed_in_on_epoch_end_is_followed_at_the_next_pass(kw, no_le
             lengths.append(len(loader))
             ids = [int(loader[i][0][0, 0]) for i in range(len(loader))]
             assert ids == list(range(lengths[-1]))
+            loader.on_epoch_end()  # a manual loop calls the hook itself, as for a plain PyDataset
         assert lengths == [4, 6, 8] and loader.dataset.ends == 3
         ds = loader.as_dataset()
         assert [len(list(ds)) for _ in range(2)] == [10, 12]
@@ -251,7 +258,10 @@ def test_state_restores_exactly_with_another_worker_count(after, no_leaks):
     assert state["pass"] == after // n and state["position"] == after % n
     with kpipe.ProcessLoader(BatchIds(n), workers=1, shuffle=True, seed=3) as b:
         b.restore(state)
-        assert [int(b[i][0][0, 0]) for i in range(n)] == rest
+        # loader[i] is batch i of the restored pass: a reader goes on from the position, and
+        # reading the pass's last index in order starts the next pass
+        at = state["position"]
+        assert [int(b[i][0][0, 0]) for i in [*range(at, n), *range(at)]] == rest
     with kpipe.ProcessLoader(BatchIds(n), workers=0, shuffle=True, seed=3) as c:
         c.restore(state)
         got = [int(x[0, 0]) for x, _ in c.as_dataset()]
@@ -361,8 +371,13 @@ def test_two_worker_job_consumes_each_shard_in_whole_passes(steps, tmp_path):
         planner = EpochPlanner(N_BATCHES, shuffle=True, seed=SEED, num_shards=2, shard_index=w)
         want = [i for p in range(4) for i in planner.plan(p)][:total]
         assert record["ids"] == want
-        assert total <= record["train_loads"] <= total + 2 + 4
-        assert record["val_loads"] <= epochs * 2 + 2 + 2  # 2-batch validation shard, 3 runs
+        # each batch loaded once per step, nothing after the last epoch: the spec reads and
+        # the strategy's build are served from the batches loaded for training
+        if steps is None:
+            assert record["train_loads"] == total
+        else:  # KNOWN GAP (issue 28 note): under MultiWorkerMirroredStrategy with steps_per_epoch
+            assert total <= record["train_loads"] <= total + 2 + 4  # the last epoch's read limit is passed
+        assert record["val_loads"] == epochs * 2  # 2-batch validation shard, 3 runs
     # the shards of each pass are disjoint and cover all but the batches sharding drops
     first = records[0]["ids"][:shard_len] + records[1]["ids"][:shard_len]
     assert len(set(first)) == 2 * shard_len
@@ -414,8 +429,8 @@ def test_random_augmentation_does_not_depend_on_the_worker_count(no_leaks):
     with kpipe.ProcessLoader(_Augmented(), workers=2, shuffle=True, seed=4) as loader:
         [loader[i] for i in range(4)]
         state = loader.state()
-    resumed, _ = draws(3, restore=state)
-    assert all(np.array_equal(a, b) for a, b in zip(resumed[:2], one[4:]))
+    resumed, _ = draws(3, restore=state)  # batch i of the restored pass, whatever was read before
+    assert all(np.array_equal(a, b) for a, b in zip(resumed, one))
     assert not np.array_equal(one[0], draws(1)[0][1])  # batches differ from each other
 
 
@@ -432,6 +447,14 @@ def test_evaluate_with_steps_under_a_strategy_evaluates_the_first_batches(run, n
         warnings.simplefilter("error", UserWarning)  # no "Your input ran out of data"
         with kpipe.ProcessLoader(ReplacingIds(12), workers=2) as loader:
             got = model.evaluate(loader, steps=3, verbose=0)
-    xs, ys = zip(*(ReplacingIds(12)[i] for i in range(3)))  # the first pass's first three batches
-    want = model.evaluate(np.concatenate(xs), np.concatenate(ys), batch_size=2, verbose=0)
+    if _RESTARTS:
+        plain = ReplacingIds(12)  # plain Keras on the same dataset: the same hooks, the same batches
+        want = model.evaluate(plain, steps=3, verbose=0)
+        # Keras calls on_epoch_end before it starts (a pass start: passed on, the same
+        # reshuffle) and after the 3 steps, mid-pass: the documented deviation keeps the pass whole
+        assert loader.dataset.ends == plain.ends - 1
+    else:  # (plain Keras < 3.7 evaluates the batches after its probe's: compare with arrays)
+        xs, ys = zip(*(ReplacingIds(12)[i] for i in range(3)))  # the first pass's first three batches
+        want = model.evaluate(np.concatenate(xs), np.concatenate(ys), batch_size=2, verbose=0)
+        assert loader.dataset.ends == 0
     assert got == pytest.approx(want, rel=1e-5)

@@ -69,6 +69,7 @@ class Ahead:
     num_batches: int
     prev_payload: bytes  # what the workers held before: sent back if this is cancelled
     prev_keys: list
+    real_hooks_ran: bool = False  # the dataset's on_epoch_end ran; its on_epoch_begin is awaited
 
 
 class _ReadOnlyArrays:

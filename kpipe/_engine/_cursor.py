@@ -19,15 +19,16 @@ hands out consecutive keys. What Keras 3 does with a `PyDataset` (read from
     steps_per_epoch=None                         -> a new iterator every Keras epoch
     steps_per_epoch=S                            -> one iterator across Keras epochs, a
                                                     new one when n steps were taken
-    on_epoch_end()                               -> after every Keras epoch (mid-pass when
-                                                    S < n) and once before the first
+    on_epoch_begin()/on_epoch_end()              -> around every Keras epoch (mid-pass
+                                                    when S < n); from Keras 3.7 also
+                                                    on_epoch_end once before the first
+                                                    (`EpochIterator.reset`)
 
-so Keras's epoch ends say nothing about passes. kpipe's adapter (`kpipe/_keras_hook.py`)
-therefore never forwards them; instead:
+so:
 
 * each iterator Keras makes is a stream that ends with its pass;
 * a pass is *complete* when a stream hands out its last position; `head` then moves to
-  the next pass, and the dataset's own `on_epoch_end` runs (see `ProcessLoader`);
+  the next pass;
 * a new stream begins at `head`: after a complete pass that is the next pass, after a
   stream dropped mid-pass (a `fit()` that ended there, `evaluate(steps=k)`) it is the
   same pass again from its start, as plain Keras restarts from batch 0;
@@ -35,10 +36,16 @@ therefore never forwards them; instead:
   from the batches loaded for the head (and kept for the real stream, so they cost no
   extra load), complete nothing, and their streams end when the probe does.
 
-Direct indexing (`loader[i]`, manual loops, Keras without kpipe's adapter) is an implicit
-stream: index 0 starts a new one at `head`, index i is the i-th key after it (crossing
-into the next pass after a resume point), and reading the last position of a pass in
-order completes it.
+Direct indexing (`loader[i]`, manual loops) is random access into the head's pass:
+`loader[i]` is position `i` of it (batch `i` with `shuffle=False`), whatever was read
+before, in any order. Reads in order -- position `i` right after `i - 1`, or at the
+resume point -- advance the *direct position* (what `state()` saves), and reading the
+last position in order completes the pass.
+
+The dataset's own `on_epoch_begin`/`on_epoch_end` run only when a consumer calls them
+(the rule is `ProcessLoader`'s docstring; the calls live in `kpipe/loader.py`), so the
+cursor only answers where a consumer stands: at a pass start (`at_pass_start`), or
+inside a pass.
 
 State: `{format, pass, position, num_batches, seed, shuffle, num_shards, shard_index}`
 -- position is the first key of that pass not yet consumed. Restoring sets `head` there,
@@ -49,17 +56,23 @@ STATE_FORMAT = 1
 
 
 class Stream:
-    """One consumer's run through the sequence, from `base` on. Not thread-safe."""
+    """One consumer's run through the sequence, from `base` on. Not thread-safe.
 
-    __slots__ = ("base", "taken", "next_index", "probe", "live", "ends_with_pass")
+    `hooks` says who calls the dataset's epoch hooks for it: "keras" (Keras's adapter
+    passes its calls on), "iteration" (`as_dataset()`: the stream's start and end are an
+    epoch's) or None (a probe)."""
 
-    def __init__(self, base, *, probe, ends_with_pass):
+    __slots__ = ("base", "taken", "probe", "live", "hooks", "began", "ended", "resume")
+
+    def __init__(self, base, *, probe, hooks=None):
         self.base = base
         self.taken = 0
-        self.next_index = 0
         self.probe = probe
         self.live = True
-        self.ends_with_pass = ends_with_pass
+        self.hooks = None if probe else hooks
+        self.began = False  # (iteration streams) the dataset's on_epoch_begin ran for it
+        self.ended = False  # (iteration streams) ... and its on_epoch_end
+        self.resume = None  # a threading.Event for a reader that waits at the read limit
 
 
 class PassCursor:
@@ -72,10 +85,12 @@ class PassCursor:
     def __init__(self, length):
         self.head = (0, 0)
         self._lengths = {0: length}
-        self._direct = None
         self._probe_depth = 0
         self._probe_streams = []
+        self._reading = None  # the last non-probe stream opened (read_position)
         self._handed_in_pass = False  # anything of the head pass handed out outside a probe
+        self._direct_expect = 0  # the position a direct read in order asks for next
+        self._direct_done = 0  # positions of the head pass read in order by direct reads
 
     # ------------------------------------------------------------------ lengths
     def length_of(self, pass_):
@@ -88,6 +103,11 @@ class PassCursor:
         """Forgets a length set ahead for a later pass (never the only one known)."""
         if pass_ in self._lengths and len(self._lengths) > 1:
             del self._lengths[pass_]
+
+    def forget_lengths_after(self, pass_):
+        """Forgets the lengths set for passes after `pass_` (the dataset changed)."""
+        for p in [p for p in self._lengths if p > pass_]:
+            self.forget_length(p)
 
     def successor(self, key, *, cross_passes):
         """The key after `key` in the sequence, or None where the plan is not known yet."""
@@ -118,11 +138,18 @@ class PassCursor:
     def probing(self):
         return self._probe_depth > 0
 
-    def open_stream(self):
+    @property
+    def handed_in_pass(self):
+        """Whether anything of the head pass was handed out outside a probe."""
+        return self._handed_in_pass
+
+    def open_stream(self, hooks=None):
         """A stream that hands out the rest of the head's pass (one Keras iterator)."""
-        stream = Stream(self.head, probe=self.probing, ends_with_pass=True)
+        stream = Stream(self.head, probe=self.probing, hooks=hooks)
         if stream.probe:
             self._probe_streams.append(stream)
+        else:
+            self._reading = stream
         return stream
 
     def next_key(self, stream):
@@ -130,53 +157,86 @@ class PassCursor:
         if not stream.live:
             return None
         key = self.walk(stream.base, stream.taken)
-        if stream.ends_with_pass and key[0] != stream.base[0]:
+        if key[0] != stream.base[0]:
             return None
         return key
 
-    def direct_key(self, index):
-        """The key of `loader[index]`: see the NOTE (implicit stream)."""
-        stream = self._direct
-        if index == 0 or stream is None or not stream.live or stream.probe != self.probing:
-            stream = self._direct = Stream(self.head, probe=self.probing, ends_with_pass=False)
-            if stream.probe:
-                self._probe_streams.append(stream)
-        sequential = index == stream.next_index
-        stream.next_index = index + 1
-        if sequential:
-            stream.taken = index
-        return stream, self.walk(stream.base, index), sequential
+    def stream_at_pass_end(self, stream, consumed=None):
+        """Whether `stream` handed out the last batch of its pass -- or, with `consumed`
+        (what its consumer really took of what it handed out: a feed reads ahead), whether
+        the consumer took it."""
+        n = self.length_of(stream.base[0])
+        taken = stream.taken if consumed is None else consumed
+        return n is not None and stream.base[1] + taken >= n
 
-    def handed_out(self, stream, key, sequential=True):
+    def at_pass_start(self, stream=None, consumed=None):
+        """Whether a consumer reading through `stream` (None: none yet, or a new one)
+        stands at the start of a pass: the head is a pass's first position and the
+        consumer took nothing of `stream` (`consumed` batches; None: what it handed
+        out), or all of its pass. A stream that is no longer live (dropped) counts as
+        none: the next one starts the head's pass again."""
+        if self.head[1] != 0:
+            return False
+        taken = stream.taken if stream is not None and consumed is None else consumed
+        if stream is None or not stream.live or taken == 0:
+            return True
+        return self.stream_at_pass_end(stream, taken)
+
+    def stream_position(self, stream=None, consumed=None):
+        """The key a consumer reading through `stream` reads next, having taken
+        `consumed` batches of it (None: what it handed out); the head for a new one."""
+        taken = stream.taken if stream is not None and consumed is None else consumed
+        if stream is None or not stream.live or stream.probe or self.stream_at_pass_end(stream, taken):
+            return self.head
+        return max(self.head, self.walk(stream.base, taken))
+
+    def direct_key(self, index):
+        """The key of `loader[index]` and whether the read is in order: see the NOTE."""
+        key = (self.head[0], index)
+        if self.probing:
+            return key, False
+        sequential = index == self._direct_expect
+        self._direct_expect = index + 1
+        return key, sequential
+
+    def handed_out(self, stream, key):
         """Records that `key` was handed out by `stream`. Returns True when this completed
         the head's pass (the caller then moves on with `complete_pass`)."""
-        if stream.ends_with_pass or sequential:
-            stream.taken += 1
+        stream.taken += 1
         if stream.probe:
             return False
         self._handed_in_pass = True
         n = self.length_of(key[0])
-        return sequential and key[0] == self.head[0] and n is not None and key[1] == n - 1
+        return key[0] == self.head[0] and n is not None and key[1] == n - 1
+
+    def handed_out_direct(self, key, sequential):
+        """Records that `loader[i]` handed out `key`. Returns True when this completed the
+        head's pass: its last position, read in order."""
+        if self.probing:
+            return False
+        self._handed_in_pass = True
+        if not sequential or key[0] != self.head[0]:
+            return False
+        self._direct_done = max(self._direct_done, key[1] + 1)
+        n = self.length_of(key[0])
+        return n is not None and key[1] == n - 1
 
     def complete_pass(self):
-        """Ends the head's pass: new streams start at the next pass."""
+        """Ends the head's pass: new streams and direct reads start at the next pass."""
         self.head = (self.head[0] + 1, 0)
         self._handed_in_pass = False
+        self._direct_expect = self._direct_done = 0
 
-    def end_pass_early(self):
-        """`loader.on_epoch_end()` called by hand: ends the head pass unless nothing of it
-        was handed out yet. Returns True if it ended one."""
-        if not self._handed_in_pass:
-            return False
-        self._direct = None
-        self.complete_pass()
-        return True
+    def pass_begun(self):
+        """Whether any of the head's pass was read (or resumed into): `loader.on_epoch_end()`
+        by hand then ends it early."""
+        return self._handed_in_pass or self.head[1] > 0
 
     def jump(self, pass_, position=0):
-        """Moves `head` (set_epoch, restore); every open stream ends."""
+        """Moves `head` (set_epoch, restore); streams opened before start there no more."""
         self.head = (pass_, position)
         self._handed_in_pass = False
-        self._direct = None
+        self._direct_expect = self._direct_done = position
 
     def begin_probe(self):
         self._probe_depth += 1
@@ -188,12 +248,19 @@ class PassCursor:
             for stream in self._probe_streams:
                 stream.live = False
             self._probe_streams.clear()
-            if self._direct is not None and self._direct.probe:
-                self._direct = None
+
+    def read_position(self):
+        """Where reading goes on: the next key of the last stream opened, while it is live
+        and has handed out anything of its pass (an infinite dataset's stream never ends
+        its pass), else `direct_position()`."""
+        stream = self._reading
+        if stream is not None and stream.live and stream.taken > 0:
+            key = self.next_key(stream)
+            if key is not None:
+                return max(key, self.head)
+        return self.direct_position()
 
     def direct_position(self):
-        """The key the implicit stream hands out next (the head if none is open)."""
-        stream = self._direct
-        if stream is None or not stream.live or stream.probe:
-            return self.head
-        return max(self.head, self.walk(stream.base, stream.taken))
+        """The first position of the head pass not read in order by direct reads (the
+        head's own position if none were made)."""
+        return (self.head[0], max(self.head[1], self._direct_done))

@@ -234,6 +234,27 @@ def dumps(obj, shared=None, what=None):
     return buf.getvalue(), used
 
 
+def state_fingerprint(obj, shared=None):
+    """Bytes that change when `obj`'s own state does: its pickle without its class (the
+    state `__reduce_ex__` gives, shared arrays as their keys), or None where it cannot be
+    taken. A class pickled by value (defined in `__main__` or a notebook) pickles to
+    other bytes once a module its methods use is imported later (cloudpickle lists the
+    submodules imported at the time; NumPy 2 imports `numpy.random` lazily): comparing
+    this instead tells a dataset its `on_epoch_end` left as it was from one it changed."""
+    try:
+        reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        if not isinstance(reduced, tuple) or len(reduced) < 3:
+            return None
+        rest = [list(part) if part is not None and not isinstance(part, (dict, list, tuple)) else part
+                for part in reduced[3:5]]
+        buf = io.BytesIO()
+        with _pickled_by_value(_by_value_modules(obj)), submodule_scan():
+            _Pickler(buf, shared, set()).dump((type(obj).__module__, type(obj).__qualname__, reduced[2], *rest))
+        return buf.getvalue()
+    except Exception:  # (a state cloudpickle cannot take: compare whole pickles only)
+        return None
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file, segments):
         super().__init__(file)

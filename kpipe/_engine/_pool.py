@@ -237,6 +237,8 @@ class ProcessBackend:
         self._growable = self._info_workers > num_workers  # keeps the pickled target for new workers
         self._keep_payload = keep_payload  # ... or for `current_state` (loading ahead)
         self._payload = self._keys = self._zygote_keys = None
+        # keep_payload: state_fingerprint of the target the workers hold, and of the last dump
+        self._sent_fingerprint = self._last_dump = None
         self._reset_since_fork = False  # the fork server holds an older target
         self.timings = [0, 0.0, 0.0, 0.0]  # batches done; their wall, CPU and run-queue seconds
         self._setup = [0.0, 0]  # seconds workers spent setting up slots, and the bytes set up
@@ -251,6 +253,8 @@ class ProcessBackend:
             payload, keys = _pickling.dumps(target, self._shared, what=f"`{name}`")
             keys = sorted(keys)
             self._payload, self._keys = payload, keys
+            if keep_payload:
+                self._sent_fingerprint = _pickling.state_fingerprint(target, self._shared)
             if start_method == "forkserver":
                 self._start_forked(num_workers, seed, mode, payload, keys)
             else:
@@ -779,11 +783,20 @@ class ProcessBackend:
         edited it in place since the last dump)."""
         rewrites = self._shared.rewrites
         payload, keys = _pickling.dumps(target, self._shared, what=f"`{self.name}`")
+        if self._keep_payload:
+            self._last_dump = (payload, _pickling.state_fingerprint(target, self._shared))
         return payload, sorted(keys), self._shared.rewrites != rewrites
 
     def current_state(self):
         """`(payload, keys)` the workers hold now (with `keep_payload=True`; keys sorted)."""
         return self._payload, list(self._keys)
+
+    def same_state(self, payload):
+        """Whether `payload` (the last `dump`) holds the state the workers hold, though
+        its bytes differ: the targets' `state_fingerprint`s are equal (keep_payload)."""
+        last = self._last_dump
+        return (last is not None and last[0] is payload and last[1] is not None
+                and last[1] == self._sent_fingerprint)
 
     @property
     def shared(self):
@@ -806,6 +819,8 @@ class ProcessBackend:
 
     def _send_state_to_all(self, payload, keys, deadline):
         self._payload, self._keys, self._reset_since_fork = payload, sorted(keys), True
+        last = self._last_dump
+        self._sent_fingerprint = last[1] if last is not None and last[0] is payload else None
         for p in self._active:
             self._send_state(p, deadline)
         self._forget_payload()
