@@ -45,7 +45,7 @@ import functools
 import inspect
 import weakref
 
-# {id(loader): (runs, steps)} for the loaders of the Keras call running in this context
+# {id(loader): (runs, steps, each_a_call)} for the loaders of the Keras call running in this context
 # (set by `_plan_calls`' wrappers, read when Keras builds the adapters inside the call).
 _PLANS = contextvars.ContextVar("kpipe_keras_plans", default=None)
 

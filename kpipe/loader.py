@@ -988,11 +988,10 @@ class ProcessLoader(keras.utils.PyDataset):
             return True, None
         payload, keys = backend.current_state()
         new_payload, new_keys, rewrote = backend.dump(self.dataset)
-        changed = (rewrote or payload is None or new_payload != payload or new_keys != keys
-                   or n != self._dataset_length(self._next_unread_pass()))
-        if changed and payload is not None and not rewrote and new_keys == keys \
-                and n == self._dataset_length(self._next_unread_pass()):
-            changed = not backend.same_state(new_payload)  # (other bytes, the same state)
+        same_shape = (not rewrote and payload is not None and new_keys == keys
+                      and n == self._dataset_length(self._next_unread_pass()))
+        # other bytes can hold the same state (a class pickled by value: state_fingerprint)
+        changed = not same_shape or (new_payload != payload and not backend.same_state(self.dataset))
         return changed, (new_payload, new_keys)
 
     def _next_unread_pass(self):

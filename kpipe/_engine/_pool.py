@@ -237,8 +237,8 @@ class ProcessBackend:
         self._growable = self._info_workers > num_workers  # keeps the pickled target for new workers
         self._keep_payload = keep_payload  # ... or for `current_state` (loading ahead)
         self._payload = self._keys = self._zygote_keys = None
-        # keep_payload: state_fingerprint of the target the workers hold, and of the last dump
-        self._sent_fingerprint = self._last_dump = None
+        # keep_payload: state_fingerprint of the target the workers hold (None: unknown)
+        self._sent_fingerprint = None
         self._reset_since_fork = False  # the fork server holds an older target
         self.timings = [0, 0.0, 0.0, 0.0]  # batches done; their wall, CPU and run-queue seconds
         self._setup = [0.0, 0]  # seconds workers spent setting up slots, and the bytes set up
@@ -767,6 +767,8 @@ class ProcessBackend:
         self._raise_if_a_worker_died()
         payload, keys = (dumped[0], dumped[1]) if dumped is not None else self.dump(target)[:2]
         self._send_state_to_all(payload, keys, deadline)
+        if self._keep_payload and target is not None:
+            self._sent_fingerprint = _pickling.state_fingerprint(target, self._shared)
         while any(p.pending for p in self._active):
             self._raise_if_a_worker_died()
             remaining = _wire.remaining(deadline)
@@ -783,20 +785,19 @@ class ProcessBackend:
         edited it in place since the last dump)."""
         rewrites = self._shared.rewrites
         payload, keys = _pickling.dumps(target, self._shared, what=f"`{self.name}`")
-        if self._keep_payload:
-            self._last_dump = (payload, _pickling.state_fingerprint(target, self._shared))
         return payload, sorted(keys), self._shared.rewrites != rewrites
 
     def current_state(self):
         """`(payload, keys)` the workers hold now (with `keep_payload=True`; keys sorted)."""
         return self._payload, list(self._keys)
 
-    def same_state(self, payload):
-        """Whether `payload` (the last `dump`) holds the state the workers hold, though
-        its bytes differ: the targets' `state_fingerprint`s are equal (keep_payload)."""
-        last = self._last_dump
-        return (last is not None and last[0] is payload and last[1] is not None
-                and last[1] == self._sent_fingerprint)
+    def same_state(self, target):
+        """Whether `target` holds the state the workers hold, though it pickles to other
+        bytes: the `state_fingerprint`s are equal (keep_payload; taken only here and when
+        a state is sent, not at every `dump`)."""
+        if self._sent_fingerprint is None:
+            return False
+        return _pickling.state_fingerprint(target, self._shared) == self._sent_fingerprint
 
     @property
     def shared(self):
@@ -819,8 +820,7 @@ class ProcessBackend:
 
     def _send_state_to_all(self, payload, keys, deadline):
         self._payload, self._keys, self._reset_since_fork = payload, sorted(keys), True
-        last = self._last_dump
-        self._sent_fingerprint = last[1] if last is not None and last[0] is payload else None
+        self._sent_fingerprint = None  # (reset_target sets it again from its target)
         for p in self._active:
             self._send_state(p, deadline)
         self._forget_payload()
