@@ -30,11 +30,26 @@ def _loads(path):
         return len(f.read().split())
 
 
+class _Steps(keras.callbacks.Callback):
+    """Counts the batches Keras's call really took."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.count += 1
+
+    on_test_batch_end = on_predict_batch_end = on_train_batch_end
+
+
 def _run(call, data, **kwargs):
-    model = _model()
+    """Runs `model.<call>(data)`; returns the number of steps Keras took."""
+    model, steps = _model(), _Steps()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "ran out of data" and "shuffle ignored" are Keras's to say
-        getattr(model, call)(data, verbose=0, **kwargs)
+        getattr(model, call)(data, verbose=0, callbacks=[steps], **kwargs)
+    return steps.count
 
 
 CASES = [
@@ -52,21 +67,25 @@ CASES = [
 @pytest.mark.parametrize("call, data, kwargs", CASES, ids=[f"{c}-{'inf' if d.get('infinite') else 'finite'}-{k}" for c, d, k in CASES])
 def test_keras_calls_reach_the_dataset_as_for_plain_keras(call, data, kwargs, reshuffle, workers, tmp_path, no_leaks):
     plain = HookLog(reshuffle=reshuffle, **data)
-    _run(call, plain, **kwargs)
+    plain_steps = _run(call, plain, **kwargs)
     log = str(tmp_path / "loads")
     with kpipe.ProcessLoader(HookLog(log=log, reshuffle=reshuffle, **data), workers=workers) as loader:
-        _run(call, loader, **kwargs)
+        steps = _run(call, loader, **kwargs)
         calls = loader.dataset.calls
     assert calls == plain.calls  # e.g. E B E B E B E for fit(epochs=3) on Keras >= 3.7
+    assert steps == plain_steps
     # Loads: one per step, nothing past the call's last step; Keras's 2 tensor-spec reads
     # are served from those, unless the dataset changed at Keras's first on_epoch_end
     # (>= 3.7, after those reads): then they load again, as plain Keras loads them. With
     # workers=0 the dataset is shared, so any hook counts as a change (README).
-    steps = kwargs.get("steps_per_epoch") or kwargs.get("steps") or data["n"]
-    want = steps * kwargs.get("epochs", 1)
+    want = steps
     if workers == 0 or (reshuffle and _RESETS and call != "predict"):
         want += min(2, data["n"])
-    assert _loads(log) == want
+    if _RESETS:
+        assert _loads(log) == want
+    else:  # Keras < 3.7 reads a loader through tf.data, whose prefetch pulls past the last
+        # step -- past each epoch's end for an infinite dataset, whose reshuffle then drops it
+        assert steps <= _loads(log) <= want + kwargs.get("epochs", 1) * (4 + 2 * max(workers, 2))
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["inline", "workers-2"])
@@ -91,6 +110,7 @@ def test_validation_hooks_and_loads_equal_plain_keras(workers, tmp_path, no_leak
     assert 3 * 4 <= _loads(val_log) <= 3 * 4 + 2
 
 
+@pytest.mark.skipif(not _RESETS, reason="Keras < 3.7 does not restart finite inputs with steps_per_epoch")
 def test_steps_per_epoch_below_len_keeps_passes_whole_the_one_deviation(no_leaks):
     plain = HookLog(6)
     _run("fit", plain, epochs=4, steps_per_epoch=3)
@@ -99,8 +119,8 @@ def test_steps_per_epoch_below_len_keeps_passes_whole_the_one_deviation(no_leaks
         calls = loader.dataset.calls
     # plain Keras: B E at every 3-step epoch (mid-pass); kpipe passes on only those at
     # the two pass ends (and Keras >= 3.7's first on_epoch_end, at a pass start)
-    assert plain.calls == (["E"] if _RESETS else []) + ["B", "E"] * (4 if _RESETS else 2)
-    assert calls == (["E"] if _RESETS else []) + ["B", "E"] * 2
+    assert plain.calls == ["E"] + ["B", "E"] * 4
+    assert calls == ["E"] + ["B", "E"] * 2
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["inline", "workers-2"])
