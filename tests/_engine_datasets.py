@@ -93,17 +93,23 @@ class Empty:
 
 
 class Slow:
-    """Batch `slow` takes `seconds`."""
+    """Batch `slow` takes `seconds`; with `gate` (a path), it waits until that file exists
+    instead, for at most `seconds`: the test decides when the batch arrives."""
 
-    def __init__(self, slow=1, seconds=2.0):
-        self.slow, self.seconds = slow, seconds
+    def __init__(self, slow=1, seconds=2.0, gate=None):
+        self.slow, self.seconds, self.gate = slow, seconds, gate
 
     def __len__(self):
         return 8
 
     def __getitem__(self, i):
         if i == self.slow:
-            time.sleep(self.seconds)
+            if self.gate is None:
+                time.sleep(self.seconds)
+            else:
+                deadline = time.monotonic() + self.seconds
+                while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                    time.sleep(0.01)
         return np.full((2,), i, "float32")
 
 

@@ -35,8 +35,11 @@ def live_pids(pids):
     return out
 
 
-def gone(pids, within_s=10.0):
-    """Whether every process in `pids` has ended (exited or a zombie) within `within_s`."""
+def gone(pids, within_s=60.0):
+    """Whether every process in `pids` has ended (exited or a zombie) within `within_s`.
+
+    The default is a deadline that only catches a process that never ends: a loaded
+    machine may take seconds to run a dying process's exit."""
     deadline = time.monotonic() + within_s
     while live_pids(pids):
         if time.monotonic() >= deadline:
@@ -73,9 +76,10 @@ def memfd_count():
     return n
 
 
-def feed_threads(wait_s=3.0):
+def feed_threads(wait_s=60.0):
     """kpipe feed threads still running after up to `wait_s` seconds (they stop within
-    a poll interval once their stream, feed or loader is gone)."""
+    a poll interval once their stream, feed or loader is gone; the default deadline only
+    catches a thread that never stops, as a loaded machine may be slow to schedule it)."""
     import threading
     import time
 
@@ -85,6 +89,44 @@ def feed_threads(wait_s=3.0):
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def sigint_when(thread_id, where, within_s=60.0):
+    """While in the `with` block, sends SIGINT to thread `thread_id`, as a Ctrl-C would,
+    once one of the frames it runs satisfies `where(frame)`: a daemon thread looks every
+    5 ms, at most `within_s` (a deadline that only catches a thread that never gets
+    there), and stops looking when the block ends. Use it instead of a timer, so that the
+    signal lands in the wait the test means however slow the machine is."""
+    import signal
+    import sys
+    import threading
+
+    done = threading.Event()
+
+    def watch():
+        deadline = time.monotonic() + within_s
+        while not done.is_set() and time.monotonic() < deadline:
+            frame = sys._current_frames().get(thread_id)
+            while frame is not None:
+                if where(frame):
+                    signal.pthread_kill(thread_id, signal.SIGINT)
+                    return
+                frame = frame.f_back
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, name="sigint-when", daemon=True)
+    watcher.start()
+    try:
+        yield watcher
+    finally:
+        done.set()
+        watcher.join()
+
+
+def running(function, file_suffix):
+    """A `where` for `sigint_when`: the frame runs `function` of a file ending in `file_suffix`."""
+    return lambda frame: frame.f_code.co_name == function and frame.f_code.co_filename.endswith(file_suffix)
 
 
 @pytest.fixture

@@ -369,18 +369,26 @@ def test_auto_retires_workers_when_the_consumer_slows_down_and_logs(caplog, no_l
     caplog.set_level(logging.INFO, logger="kpipe")
     with kpipe.ProcessLoader(Sleeps(n=48, wait_s=0.05), workers="auto", shuffle=True, seed=3) as loader:
         items = []
-        for p in range(6):
+        for _ in range(3):
+            items += [tuple(int(v) for v in loader[i]) for i in range(len(loader))]
+        fast_until = max((d["t"] for d in loader.stats()["auto_decisions"]), default=-1.0)
+        # Then slow passes until the controller retires a worker: how many windows that
+        # takes depends on the machine's speed, so the loop ends on the decision itself,
+        # with a deadline that only catches a controller that never retires.
+        passes, deadline = 3, time.monotonic() + 120
+        while not any(d["workers_to"] < d["workers_from"] and d["t"] > fast_until for d in loader.stats()["auto_decisions"]):
+            assert time.monotonic() < deadline, loader.stats()["auto_decisions"]
             for i in range(len(loader)):
                 items.append(tuple(int(v) for v in loader[i]))
-                if p >= 3:
-                    time.sleep(0.03)  # the training step got slower than the workers
+                time.sleep(0.03)  # the training step got slower than the workers
+            passes += 1
         stats = loader.stats()
         peak = max(d["workers_to"] for d in stats["auto_decisions"])
         assert peak > stats["workers"] and len(stats["pids"]) == stats["workers"]
         assert any(d["workers_to"] < d["workers_from"] for d in stats["auto_decisions"])
     assert any("workers='auto'" in r.getMessage() and "->" in r.getMessage() for r in caplog.records)
     with kpipe.ProcessLoader(Sleeps(n=48, wait_s=0.0), workers=2, shuffle=True, seed=3) as fixed:
-        assert items == _items(fixed, 6)
+        assert items == _items(fixed, passes)
 
 
 def test_auto_refuses_threads_and_fork():

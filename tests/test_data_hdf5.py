@@ -128,8 +128,9 @@ def test_concurrent_threads_never_share_a_handle_and_gc_closes_them(files):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(60)  # a deadline that only catches a hang
     assert not errors and not clashes
+    assert not any(t.is_alive() for t in threads) and sorted(results) == [0, 1, 2, 3]
     assert all(r == [7, 157, 307] * 20 for r in results.values())
     assert 3 <= reader.opened <= 4 * 3  # reused, at most one per concurrent reader and file
     handles = list(reader._open)

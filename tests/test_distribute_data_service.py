@@ -73,7 +73,7 @@ def test_dispatcher_and_two_workers_feed_fit(tmp_path, no_leaks):
         for proc in servers:  # SIGTERM is a clean stop
             proc.send_signal(signal.SIGTERM)
         for proc in servers:
-            assert proc.wait(timeout=30) == 0
+            assert proc.wait(timeout=60) == 0  # a deadline that only catches a server that does not stop
     finally:
         for proc in servers:
             if proc.poll() is None:

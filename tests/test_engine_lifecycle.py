@@ -19,7 +19,7 @@ import pytest
 
 import kpipe
 from _engine_datasets import Empty, Replacing, Resizing, Slow, StuckWithBigState, array_mappings, fd_count, memfd_count
-from conftest import kpipe_children, live_pids
+from conftest import kpipe_children, live_pids, running, sigint_when
 from kpipe._engine import _pool
 from kpipe._engine._pool import ProcessBackend
 
@@ -225,9 +225,10 @@ def test_running_out_of_descriptors_raises_a_named_error_and_close_succeeds():
 @pytest.mark.parametrize("start_method", START_METHODS)
 def test_resync_with_a_stuck_worker_and_big_state_times_out_and_close_returns(start_method, no_leaks):
     ds = StuckWithBigState(hang_at=1)
-    backend = _backend(ds, start_method, timeout=2.0)
+    backend = _backend(ds, start_method, timeout=60.0)  # start-up (8 MB to each worker) may be slow
     try:
         assert backend.get(backend.submit(0))[0][0][0, 0] == 0
+        backend.timeout = 2.0  # the workers are up: the limit under test is the state send's
         stuck = backend.submit(1)  # its worker hangs in __getitem__
         backend.discard(stuck)
         ds.on_epoch_end()
@@ -237,13 +238,14 @@ def test_resync_with_a_stuck_worker_and_big_state_times_out_and_close_returns(st
     finally:
         t0 = time.monotonic()
         backend.close()
-    assert time.monotonic() - t0 < 30  # a sanity bound on "close() returns", not a timing claim
+    assert time.monotonic() - t0 < 60  # a sanity bound on "close() returns" (does not hang), not a timing claim
 
 
 def test_loader_on_epoch_end_with_a_stuck_worker_raises_within_the_timeout(no_leaks):
-    loader = kpipe.ProcessLoader(StuckWithBigState(hang_at=1), workers=2, timeout=2.0)
+    loader = kpipe.ProcessLoader(StuckWithBigState(hang_at=1), workers=2, timeout=60.0)  # start-up may be slow
     try:
         assert loader[0][0][0, 0] == 0  # batch 1 is now loading (and hangs) in worker 1
+        loader.timeout = loader._backend.timeout = 2.0  # the workers are up: the limit under test is on_epoch_end's
         with pytest.raises(kpipe.BatchTimeoutError, match=r"new state of `StuckWithBigState`"):
             loader.on_epoch_end()
     finally:
@@ -258,7 +260,7 @@ def test_worker_dead_between_batches_fails_the_resync_with_worker_died(start_met
         _one_pass(backend, len(ds))
         victim = backend.pids[1]
         os.kill(victim, signal.SIGKILL)
-        assert not _wait_gone([victim], 10.0)
+        assert not _wait_gone([victim], 60.0)  # a deadline that only catches a hang
         ds.on_epoch_end()
         with pytest.raises(kpipe.WorkerDiedError, match=rf"Worker 1 \(pid {victim}\) while idle, after loading batch 3 of `Replacing`.*SIGKILL"):
             backend.reset_target(ds)
@@ -272,7 +274,7 @@ def test_sends_to_a_dead_worker_surface_when_its_batch_is_needed(no_leaks):
         _one_pass(backend, 2)
         victim = backend.pids[1]
         os.kill(victim, signal.SIGKILL)
-        assert not _wait_gone([victim], 10.0)
+        assert not _wait_gone([victim], 60.0)  # a deadline that only catches a hang
         seqs = [backend.submit(i) for i in range(2, 6)]  # 3 and 5 go to the dead worker
         assert int(backend.get(seqs[0])[0][0][0]) == 8  # worker 0's batch still arrives
         with pytest.raises(kpipe.WorkerDiedError, match=rf"Worker 1 \(pid {victim}\)"):
@@ -284,20 +286,23 @@ def test_sends_to_a_dead_worker_surface_when_its_batch_is_needed(no_leaks):
 # ------------------------------------------------------------------------ orphans
 _ORPHAN_SCRIPT = textwrap.dedent(
     """
-    import sys, threading, time
+    import os, sys, threading, time
     import numpy as np
     import psutil
     from kpipe._engine._pool import ProcessBackend
 
     class Sleepy:
+        def __init__(self, marks):
+            self.marks = marks
         def __len__(self):
             return 4
         def __getitem__(self, i):
-            time.sleep(60)
+            open(os.path.join(self.marks, str(i)), 'w').close()  # inside __getitem__ now
+            time.sleep(3600)  # longer than any deadline below: only a kill ends it
             return np.zeros(1)
 
     def start():
-        return ProcessBackend(Sleepy(), num_workers=2, mode='dataset', start_method=sys.argv[1], timeout=120,
+        return ProcessBackend(Sleepy(sys.argv[3]), num_workers=2, mode='dataset', start_method=sys.argv[1], timeout=120,
                               seed=0, name='Sleepy', keep_idle=4)
 
     if __name__ == '__main__':
@@ -309,7 +314,9 @@ _ORPHAN_SCRIPT = textwrap.dedent(
         else:
             backend = start()
         seqs = [backend.submit(i) for i in range(2)]
-        time.sleep(1.0)  # both workers are now inside __getitem__
+        deadline = time.monotonic() + 60  # until both workers are inside __getitem__ (only catches a hang)
+        while len(os.listdir(sys.argv[3])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         print('PIDS', *[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
         backend.get(seqs[0])
     """
@@ -318,19 +325,20 @@ _ORPHAN_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("how", ["main-thread", "thread"])
 @pytest.mark.parametrize("start_method", START_METHODS)
-def test_sigkilled_main_process_leaves_no_worker_even_inside_getitem(start_method, how):
+def test_sigkilled_main_process_leaves_no_worker_even_inside_getitem(start_method, how, tmp_path):
     env = dict(os.environ, PYTHONPATH=_ROOT)
-    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT, start_method, how], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT, start_method, how, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
     pids = []
     try:
         line = proc.stdout.readline()
         assert line.startswith("PIDS"), line
+        assert sorted(os.listdir(tmp_path)) == ["0", "1"]  # both workers are inside __getitem__
         pids = [int(p) for p in line.split()[1:]]
         assert len(pids) == (3 if start_method == "forkserver" else 2)
         assert len(live_pids(pids)) == len(pids)  # a thread that ended did not take them along
         proc.kill()
         proc.wait(timeout=30)
-        left = _wait_gone(pids, 5.0)
+        left = _wait_gone(pids, 60.0)  # a deadline that only catches a hang: __getitem__ sleeps an hour
         assert not left, f"{start_method}: workers {left} outlived the SIGKILLed main process"
     finally:
         proc.kill()
@@ -347,7 +355,14 @@ def test_workers_started_from_a_short_lived_thread_outlive_that_thread(start_met
     t.join(timeout=120)
     backend = box[0]
     try:
-        time.sleep(0.5)
+        # PR_SET_PDEATHSIG fires when the forking *thread* exits, which join() does not wait
+        # for: wait until the kernel has let it go (a deadline that only catches a hang), so
+        # that workers tied to it would have been sent their SIGKILL by now
+        task = f"/proc/self/task/{t.native_id}"
+        deadline = time.monotonic() + 60
+        while os.path.exists(task) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not os.path.exists(task)
         assert len(live_pids(backend.pids)) == 2
         assert [int(t[0][0]) for t in _one_pass(backend, 4)] == [0, 4, 8, 12]
     finally:
@@ -376,20 +391,20 @@ def _leaves(tree):
     return _tree.flatten(tree)[1]
 
 
-def test_ctrl_c_during_a_batch_wait_frees_that_batchs_slot(ctrl_c, no_leaks):
-    backend = _backend(Slow(slow=1, seconds=1.5), "spawn", workers=2)
+def test_ctrl_c_during_a_batch_wait_frees_that_batchs_slot(ctrl_c, no_leaks, tmp_path):
+    gate = tmp_path / "gate"  # batch 1 arrives once the test creates it
+    backend = _backend(Slow(slow=1, seconds=120, gate=str(gate)), "spawn", workers=2)
     main = threading.get_ident()
     try:
         backend.get(backend.submit(0))
         seq = backend.submit(1)
-        timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            backend.get(seq)
-        timer.join()
+        with sigint_when(main, running("_pump", os.path.join("_engine", "_pool.py"))):  # once get() waits
+            with pytest.raises(KeyboardInterrupt):
+                backend.get(seq)
         assert not backend.closed
         # the slow batch arrives later and is dropped; its slot is free again
-        deadline = time.monotonic() + 30
+        gate.touch()
+        deadline = time.monotonic() + 60  # only catches a hang
         while backend._tasks and time.monotonic() < deadline:
             backend._pump(0.1)
         assert not backend._tasks
@@ -453,8 +468,8 @@ def test_wire_send_completes_a_message_the_socket_takes_in_parts():
     try:
         reader.start()
         for msg in [("small", 1), big, ("after", 2), b"x" * 65531]:  # 65531 + 4: a 64 KiB write
-            _wire.send(sender, msg, (), _wire.deadline_after(30.0))
-        reader.join(30.0)
+            _wire.send(sender, msg, (), _wire.deadline_after(60.0))  # a deadline that only catches a hang
+        reader.join(60.0)
         assert not reader.is_alive()
         assert got[0] == ("small", 1) and got[1] == big and got[2] == ("after", 2)
         assert got[3] == b"x" * 65531
@@ -491,13 +506,21 @@ def test_ctrl_c_while_a_state_send_waits_stops_the_pool_cleanly(ctrl_c, no_leaks
     main = threading.get_ident()
     try:
         backend.get(backend.submit(0))
-        backend.discard(backend.submit(1))  # worker 1 hangs and stops reading
+        seq = backend.submit(1)
+        stuck = backend._tasks[seq].worker
+        backend.discard(seq)  # worker 1 hangs and stops reading
         ds.on_epoch_end()
-        timer = threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt) as info:
-            backend.reset_target(ds)  # blocked on worker 1's full socket
-        timer.join()
+
+        def waits_on_the_stuck_worker(frame):  # _send_state(stuck) -> ... -> _wire._wait_writable
+            if not running("_wait_writable", os.path.join("_engine", "_wire.py"))(frame):
+                return False
+            while frame is not None and frame.f_code.co_name != "_send_state":
+                frame = frame.f_back
+            return frame is not None and frame.f_locals.get("proc") is stuck
+
+        with sigint_when(main, waits_on_the_stuck_worker):
+            with pytest.raises(KeyboardInterrupt) as info:
+                backend.reset_target(ds)  # blocked on worker 1's full socket
         assert getattr(info.value, "kpipe_torn", False)  # half of 8 MB went out...
         assert backend.closed  # ...so the pool cannot be trusted and stopped
     finally:

@@ -19,14 +19,14 @@ from kpipe.distribute import _launcher, launch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 
 def _py(code):
     return [sys.executable, "-c", textwrap.dedent(code)]
 
 
-def _wait_for(predicate, timeout_s=20.0):
+def _wait_for(predicate, timeout_s=60.0):  # a deadline that only catches a hang
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -232,7 +232,7 @@ def test_cli_forwards_ctrl_c_to_every_worker(tmp_path, no_leaks):
     try:
         assert _wait_for(lambda: all((tmp_path / f"ready-{i}").exists() for i in range(2)))
         launcher.send_signal(signal.SIGINT)
-        assert launcher.wait(timeout=30) == 130
+        assert launcher.wait(timeout=60) == 130
         assert all((tmp_path / f"sigint-{i}").exists() for i in range(2))
     finally:
         if launcher.poll() is None:
@@ -250,22 +250,53 @@ _LISTENER = """
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.bind((BIND, int(addresses[me].rsplit(":", 1)[1])))
     server.listen()
+    open(os.path.join(MARKS, f"listening-{os.getpid()}"), "w").close()
     print("port", server.getsockname()[1], flush=True)
-    deadline = time.monotonic() + 30  # wait until every worker listens, as TF's servers do
+    stop = os.path.join(MARKS, "stop")
+    deadline = time.monotonic() + 60  # wait until every worker listens, as TF's servers do
     for address in addresses:
         host, port = address.rsplit(":", 1)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not os.path.exists(stop):  # (stopped: the others may be gone)
             try:
                 socket.create_connection((host, int(port)), timeout=1).close()
                 break
             except OSError:
                 time.sleep(0.05)
-    time.sleep(HOLD_S)  # the launcher looks every 0.5 s
+    HOLD
     """
 
+# Hold the sockets until the test says the launcher has looked at them (it creates
+# MARKS/stop); at most 60 s, so that a launcher that never looks fails the test, not hangs it.
+_HOLD_UNTIL_STOP = """deadline = time.monotonic() + 60
+    while not os.path.exists(stop) and time.monotonic() < deadline:
+        time.sleep(0.02)"""
 
-def _listener(bind, hold_s):
-    return _py(_LISTENER.replace("BIND", repr(bind)).replace("HOLD_S", str(hold_s)))
+
+def _listener(bind, marks, hold_s=None):
+    """A worker listening on `bind` that holds its socket until `marks/stop` exists, or
+    for `hold_s` seconds where nothing can tell when the launcher looked."""
+    os.makedirs(marks, exist_ok=True)
+    hold = _HOLD_UNTIL_STOP if hold_s is None else f"time.sleep({hold_s!r})"
+    return _py(_LISTENER.replace("HOLD", hold).replace("BIND", repr(bind)).replace("MARKS", repr(str(marks))))
+
+
+def _stop_once_looked_at(monkeypatch, marks, workers):
+    """Creates `marks/stop` once this process's launcher has looked at the listening
+    sockets of each of `workers` listeners after it listened (an event, where a fixed
+    hold could end before a slow machine's launcher looked)."""
+    real = _launcher.wildcard_listeners
+    seen = set()
+
+    def spy(pids):
+        pids = list(pids)
+        listening = {int(p.name.rsplit("-", 1)[1]) for p in marks.glob("listening-*")}  # before the look
+        found = real(pids)
+        seen.update(p for p in pids if p in listening or any(pid == p for pid, _, _ in found))
+        if len(seen) >= workers:
+            (marks / "stop").touch()
+        return found
+
+    monkeypatch.setattr(_launcher, "wildcard_listeners", spy)
 
 
 needs_outside_interface = pytest.mark.skipif(
@@ -273,10 +304,11 @@ needs_outside_interface = pytest.mark.skipif(
 
 
 @needs_outside_interface
-def test_workers_listening_on_every_interface_get_one_warning_naming_them(no_leaks):
+def test_workers_listening_on_every_interface_get_one_warning_naming_them(tmp_path, monkeypatch, no_leaks):
+    _stop_once_looked_at(monkeypatch, tmp_path, workers=2)
     out = io.StringIO()
     with pytest.warns(_launcher.OpenPortsWarning) as record:
-        result = launch(_listener("0.0.0.0", 3), workers=2, output=out, timeout_s=50)
+        result = launch(_listener("0.0.0.0", tmp_path), workers=2, output=out, timeout_s=90)
     assert result.returncode == 0, result.tails
     ports = sorted(int(line.split()[-1]) for line in out.getvalue().splitlines() if " port " in line)
     messages = [str(w.message) for w in record if w.category is _launcher.OpenPortsWarning]
@@ -288,21 +320,39 @@ def test_workers_listening_on_every_interface_get_one_warning_naming_them(no_lea
     assert record[0].filename == __file__  # points at the launch() call
 
 
-def test_workers_listening_on_loopback_only_get_no_warning(no_leaks, recwarn):
-    result = launch(_listener("127.0.0.1", 1.5), workers=2, output=io.StringIO(), timeout_s=50)
+def test_workers_listening_on_loopback_only_get_no_warning(tmp_path, monkeypatch, no_leaks, recwarn):
+    _stop_once_looked_at(monkeypatch, tmp_path / "loopback", workers=2)  # the launcher looked, and said nothing
+    result = launch(_listener("127.0.0.1", tmp_path / "loopback"), workers=2, output=io.StringIO(), timeout_s=90)
     assert result.returncode == 0, result.tails
+    assert (tmp_path / "loopback" / "stop").exists()
     assert not [w for w in recwarn if w.category is _launcher.OpenPortsWarning]
-    result = launch(_listener("0.0.0.0", 1.5), workers=1, output=io.StringIO(), timeout_s=50,
+    # warn_open_ports=False: the launcher does not look at all, so there is nothing to wait for
+    result = launch(_listener("0.0.0.0", tmp_path / "off", hold_s=1.5), workers=1, output=io.StringIO(), timeout_s=90,
                     warn_open_ports=False)
     assert result.returncode == 0 and not [w for w in recwarn if w.category is _launcher.OpenPortsWarning]
 
 
 @needs_outside_interface
-def test_cli_prints_the_open_ports_warning_as_one_line(no_leaks):
-    proc = _cli("launch", "--workers", "2", "--", *_listener("0.0.0.0", 3))
-    assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if "warning" in line]
-    assert len(lines) == 1 and lines[0].startswith("kpipe launch: warning: workers 0, 1 listen on *:"), proc.stderr
+def test_cli_prints_the_open_ports_warning_as_one_line(tmp_path, no_leaks):
+    launcher = subprocess.Popen([sys.executable, "-m", "kpipe.cli", "launch", "--workers", "2", "--",
+                                 *_listener("0.0.0.0", tmp_path)], env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in launcher.stderr:  # the workers hold their sockets until the warning is out
+            seen.append(line)
+            if "warning" in line:
+                break
+        (tmp_path / "stop").touch()
+        _, rest = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    stderr = "".join(seen) + rest
+    assert launcher.returncode == 0, stderr
+    lines = [line for line in stderr.splitlines() if "warning" in line]
+    assert len(lines) == 1 and lines[0].startswith("kpipe launch: warning: workers 0, 1 listen on *:"), stderr
 
 
 def test_host_help_does_not_claim_to_choose_the_listening_address():
@@ -311,13 +361,13 @@ def test_host_help_does_not_claim_to_choose_the_listening_address():
     assert "listen on every network interface" in " ".join(text.split())
 
 
-def test_no_warning_inside_a_loopback_only_network_namespace(no_leaks):
+def test_no_warning_inside_a_loopback_only_network_namespace(tmp_path, no_leaks):
     """`unshare --net` (or `docker run --network none`) fences a local job in: nothing to warn."""
     probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip("unprivileged network namespaces are not available here")
     launcher = " ".join(map(shlex.quote, [sys.executable, "-m", "kpipe.cli", "launch", "--workers", "2",
-                                          "--", *_listener("0.0.0.0", 3)]))
+                                          "--", *_listener("0.0.0.0", tmp_path, hold_s=3)]))
     proc = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
                            f"ip link set lo up 2>/dev/null; exec {launcher}"],
                           env=ENV, capture_output=True, text=True, timeout=60)

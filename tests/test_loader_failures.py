@@ -14,7 +14,7 @@ import pytest
 
 import kpipe
 from _datasets import EagerH5, Failing, LazyH5, Locked, Squares
-from conftest import gone, kill_and_reap, killed_at_exit, kpipe_children, live_pids, memfd_count, shm_entries
+from conftest import gone, kill_and_reap, killed_at_exit, kpipe_children, live_pids, memfd_count, running, shm_entries, sigint_when
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -71,13 +71,14 @@ def test_dead_worker_raises_naming_worker_pid_code_and_batch(how, pattern, start
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_hanging_batch_times_out_and_close_returns(start_method, no_leaks):
-    loader = kpipe.ProcessLoader(Failing("hang", bad=1), workers=2, timeout=1.5, start_method=start_method)
-    loader[0]
+    loader = kpipe.ProcessLoader(Failing("hang", bad=1), workers=2, timeout=60, start_method=start_method)
+    loader[0]  # the workers' start-up, which a loaded machine may make slow, is behind us
+    loader.timeout = loader._backend.timeout = 1.5  # the limit under test: batch 1's
     t0 = time.monotonic()
     with pytest.raises(kpipe.BatchTimeoutError, match=r"Batch 1 of `Failing` did not arrive within timeout=1.5"):
         loader[1]
     loader.close()
-    assert time.monotonic() - t0 < 30  # a sanity bound on "does not hang", not a timing claim
+    assert time.monotonic() - t0 < 60  # a sanity bound on "does not hang", not a timing claim
 
 
 def test_unpicklable_dataset_raises_at_construction(no_leaks):
@@ -293,7 +294,7 @@ def test_main_process_killed_leaves_no_worker(tmp_path):
     with killed_at_exit(proc):
         proc.kill()
         proc.communicate(timeout=60)
-    assert gone(pids, within_s=15.0)
+    assert gone(pids)
 
 
 def test_fork_start_method_without_tensorflow(tmp_path):
@@ -346,18 +347,18 @@ def test_batches_of_zero_rows_load_in_fresh_slots(kw, no_leaks):
             assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
-def test_ctrl_c_during_a_batch_wait_keeps_the_loader_usable(ctrl_c, no_leaks):
+def test_ctrl_c_during_a_batch_wait_keeps_the_loader_usable(ctrl_c, no_leaks, tmp_path):
     import threading
 
     from _engine_datasets import Slow
 
-    with kpipe.ProcessLoader(Slow(slow=1, seconds=1.5), workers=2) as loader:
+    gate = tmp_path / "gate"  # batch 1 arrives once the test creates it
+    with kpipe.ProcessLoader(Slow(slow=1, seconds=120, gate=str(gate)), workers=2) as loader:
         assert float(loader[0][0]) == 0.0
-        timer = threading.Timer(0.3, signal.pthread_kill, (threading.get_ident(), signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            loader[1]
-        timer.join()
+        with sigint_when(threading.get_ident(), running("_pump", os.path.join("_engine", "_pool.py"))):  # once it waits
+            with pytest.raises(KeyboardInterrupt):
+                loader[1]
+        gate.touch()
         assert float(loader[1][0]) == 1.0 and float(loader[2][0]) == 2.0
 
 

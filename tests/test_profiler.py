@@ -24,9 +24,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class SlowData(keras.utils.PyDataset):
-    """Sleeps `delay` per batch: far longer than the tiny model's step."""
+    """Sleeps `delay` per batch: far longer than the tiny model's step (~1 ms), by so much
+    (200x) that a loaded machine's slower steps and stalls cannot bring the share of time
+    spent waiting near the thresholds the tests assert."""
 
-    def __init__(self, n=6, batch=16, delay=0.04, fail_at=None):
+    def __init__(self, n=6, batch=16, delay=0.2, fail_at=None):
         super().__init__()
         self.n, self.batch, self.delay, self.fail_at = n, batch, delay, fail_at
 
@@ -148,7 +150,7 @@ _MIRRORED = textwrap.dedent(
         def __len__(self):
             return 10
         def __getitem__(self, i):
-            time.sleep(0.04)
+            time.sleep(0.2)  # far longer than a step, even on a loaded machine: the wait share stays high
             x = np.random.default_rng(i).normal(size=(16, 8)).astype("float32")
             return x, x[:, :1] * 2.0
 

@@ -148,13 +148,17 @@ def _role_program(body):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
-def test_chief_completion_stops_the_servers_and_exits_0(no_leaks):
+@pytest.mark.timeout(120)
+def test_chief_completion_stops_the_servers_and_exits_0(tmp_path, no_leaks):
     out = io.StringIO()
-    result = kd.launch(_role_program("""
-        if task == "chief":
-            time.sleep(1.0); print("trained"); sys.exit(0)
-        print("serving"); time.sleep(120)
+    result = kd.launch(_role_program(f"""
+        marks = {str(tmp_path)!r}
+        if task == "chief":  # once the 3 servers said so (a deadline that only catches a hang)
+            deadline = time.monotonic() + 60
+            while len(os.listdir(marks)) < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            print("trained"); sys.exit(0)
+        print("serving"); open(os.path.join(marks, task), "w").close(); time.sleep(120)
         """), workers=2, ps=1, output=out, grace_s=5)
     assert result.returncode == 0 and result.failed_worker is None
     assert result.tasks == ("chief", "worker 0", "worker 1", "ps 0")
@@ -164,14 +168,25 @@ def test_chief_completion_stops_the_servers_and_exits_0(no_leaks):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(60)
-def test_a_dead_worker_is_tolerated_but_a_dead_ps_ends_the_job(no_leaks):
+@pytest.mark.timeout(120)
+def test_a_dead_worker_is_tolerated_but_a_dead_ps_ends_the_job(tmp_path, no_leaks):
     out = io.StringIO()
-    result = kd.launch(_role_program("""
+    pid_file = str(tmp_path / "worker-1.pid")
+    result = kd.launch(_role_program(f"""
         if task == "worker 1":
+            with open({pid_file + ".tmp"!r}, "w") as f:
+                f.write(str(os.getpid()))
+            os.rename({pid_file + ".tmp"!r}, {pid_file!r})
             os.kill(os.getpid(), signal.SIGKILL)
-        if task == "chief":
-            time.sleep(1.5); print("still training"); sys.exit(0)
+        if task == "chief":  # once the launcher reaped worker 1 (it then reports it): a
+            deadline = time.monotonic() + 60  # deadline that only catches a hang
+            while time.monotonic() < deadline:
+                if os.path.exists({pid_file!r}):
+                    pid = int(open({pid_file!r}).read())
+                    if not os.path.exists(f"/proc/{{pid}}"):  # a zombie keeps its entry until reaped
+                        break
+                time.sleep(0.02)
+            print("still training"); sys.exit(0)
         time.sleep(120)
         """), workers=2, ps=1, output=out, grace_s=5)
     assert result.returncode == 0 and result.returncodes[2] == -signal.SIGKILL
