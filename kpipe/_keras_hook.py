@@ -74,11 +74,12 @@ class KerasConsumer:
     told it: `runs()` epochs of `steps` steps, None: a pass each). Not thread-safe;
     used under the loader's lock and by Keras's thread."""
 
-    __slots__ = ("stream", "consumed", "steps", "ends_call", "_runs", "_each_a_call", "_total", "_begun")
+    __slots__ = ("stream", "consumed", "taken", "steps", "ends_call", "_runs", "_each_a_call", "_total", "_begun")
 
     def __init__(self, plan=None):
         self.stream = None
-        self.consumed = 0  # batches of `stream` Keras took (a feed's thread reads ahead)
+        self.consumed = 0  # batches of `stream` handed to Keras (Keras < 3.7: to tf.data's prefetch)
+        self.taken = 0  # of those, what Keras's epochs took up to the last epoch end
         self._runs, self.steps, self._each_a_call = plan if plan is not None else (None, None, False)
         self.ends_call = False  # the epoch begun last is the last of a Keras call
         self._total = None
@@ -97,6 +98,29 @@ class KerasConsumer:
         # next such call with its reset's on_epoch_end (see loader._keras_epoch_end)
         self.ends_call = left == 1 or self._each_a_call
         return left
+
+    def end_epoch(self):
+        """Counts the end of a Keras epoch of `stream`; returns the batches of it Keras took.
+
+        Keras >= 3.7 takes each batch from kpipe's feed (`consumed`). Keras < 3.7 reads
+        through `tf.data.Dataset.from_generator` and its prefetch, which run ahead of the
+        steps: an epoch of `steps` steps ends after taking `steps` more batches, or all the
+        stream had (it ran out: Keras ends the epoch there and drops its iterator)."""
+        from kpipe import _compat
+
+        if self.steps is None or _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET):
+            self.taken = self.consumed
+        else:
+            self.taken = min(self.taken + self.steps, self.consumed)
+        return self.taken
+
+    def epoch_start(self):
+        """The batches of `stream` Keras took before the epoch it begins now."""
+        from kpipe import _compat
+
+        if self.steps is None or _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET):
+            return self.consumed
+        return self.taken
 
 
 def _plan_for(loader):
@@ -220,7 +244,9 @@ def _make_adapter(base):
             from kpipe.loader import stream_batches
 
             consumer = self._kpipe_consumer
-            for batch in stream_batches(self._kpipe_loader, consumer=consumer):
+            # tf.data's prefetch reads ahead of Keras's steps: Keras's epoch end, which
+            # knows what it took, completes the pass
+            for batch in stream_batches(self._kpipe_loader, consumer=consumer, confirm=True):
                 consumer.consumed += 1  # (tf.data's prefetch takes them: Keras < 3.7)
                 yield self._standardize_batch(batch)
 

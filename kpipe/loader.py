@@ -458,7 +458,7 @@ class ProcessLoader(keras.utils.PyDataset):
                 out["auto_decisions"] = list(self._auto_decisions)
             return out
 
-    def as_dataset(self, *, prefetch=2, device=None):
+    def as_dataset(self, *, prefetch=2, device=None, epochs=None):
         """A `tf.data.Dataset` yielding the rest of the current pass per iteration.
 
         Each iteration of the dataset reads from the first batch not consumed yet to the
@@ -478,6 +478,12 @@ class ProcessLoader(keras.utils.PyDataset):
                 the step then finds its input on the accelerator. Must be the last
                 stage: add nothing after it. Defaults to None (batches stay on the
                 host; `fit()` copies them, and under a strategy the strategy does).
+            epochs: How many times the dataset will be iterated (`fit(ds, epochs=...)`),
+                so that read-ahead stops where the last iteration's pass ends: a dataset
+                that logs its loads sees each batch `epochs` times. Iterating it more
+                still works: each further iteration loads its own pass. Defaults to None: not known,
+                so once an iteration ends the next pass's first `max_queue_size` batches
+                load ahead, ready for the next iteration.
 
         Returns:
             A `tf.data.Dataset`.
@@ -489,11 +495,20 @@ class ProcessLoader(keras.utils.PyDataset):
 
         if device is not None:
             device = _check_device(device)
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+            raise ValueError(f"`epochs` must be a positive int (the iterations the dataset will run) or None. Received: epochs={epochs!r}.")
         signature = self._signature()
         ref = weakref.ref(self)
         finite = self.num_batches is not None
+        runs = [0]
 
         def generate():
+            if epochs is not None:
+                runs[0] += 1
+                loader = ref()
+                if loader is not None:
+                    loader._iteration_begin(epochs - runs[0] + 1)
+                del loader
             for batch in stream_batches(ref, hooks="iteration"):
                 yield _lists_to_tuples(batch)
 
@@ -542,14 +557,16 @@ class ProcessLoader(keras.utils.PyDataset):
         )
 
     # ------------------------------------------------- streams (kpipe's Keras adapter)
-    def _open_stream(self, hooks=None, consumer=None):
+    def _open_stream(self, hooks=None, consumer=None, confirm=False):
         """A stream over the rest of the head's pass. `hooks`: "keras" (Keras's adapter
         passes its epoch calls on, `consumer` records the stream) or "iteration" (the
-        stream's start and end run the dataset's hooks: `as_dataset()`)."""
+        stream's start and end run the dataset's hooks: `as_dataset()`). `confirm`: the
+        consumer's epoch end completes the pass (a `tf.data` reader runs ahead of Keras;
+        see the NOTE in kpipe/_engine/_cursor.py)."""
         with self._lock:
-            stream = self._cursor.open_stream(hooks=hooks)
+            stream = self._cursor.open_stream(hooks=hooks, confirm=confirm)
             if consumer is not None and not stream.probe:
-                consumer.stream, consumer.consumed = stream, 0
+                consumer.stream, consumer.consumed, consumer.taken = stream, 0, 0
             return stream
 
     def _stream_next(self, stream):
@@ -570,7 +587,10 @@ class ProcessLoader(keras.utils.PyDataset):
                 return _AT_LIMIT
             batch = self._fetch(key, keep=stream.probe)
             if self._cursor.handed_out(stream, key):
-                self._pass_completed()
+                if stream.confirm:
+                    stream.pending = True  # until the consumer's epoch end took it
+                else:
+                    self._pass_completed()
             return batch
 
     def _keras_epoch_begin(self, consumer, *, steps=None, left=None, probe=False):
@@ -585,7 +605,7 @@ class ProcessLoader(keras.utils.PyDataset):
         `probe`'s epoch (Keras's symbolic build under a strategy) runs the hook as plain
         Keras does, and sets no limit."""
         with self._lock:
-            stream, consumed = consumer.stream, consumer.consumed
+            stream, consumed = consumer.stream, consumer.epoch_start()
             finite = self.num_batches is not None
             if not finite or self._cursor.at_pass_start(stream, consumed):
                 self._run_hook("on_epoch_begin", fill=probe)
@@ -611,6 +631,21 @@ class ProcessLoader(keras.utils.PyDataset):
             self._set_read_limit(limit)
             if stream is not None and stream.resume is not None:
                 stream.resume.set()  # a stream waiting at the old limit goes on
+
+    def _iteration_begin(self, left):
+        """An `as_dataset(epochs=...)` iteration starts, `left` of them (this one included)
+        to go: read-ahead stops where the last one's pass ends (for a dataset with hooks,
+        whose next passes may change, only once this is the last). An iteration past the
+        last counts as the last again."""
+        with self._lock:
+            if self.num_batches is None:
+                return
+            left = max(left, 1)
+            if left == 1 or not self._stateful:
+                limit = (self._cursor.head[0] + left, 0)
+            else:
+                return
+            self._set_read_limit(limit)
 
     def _set_read_limit(self, limit):
         """Read-ahead stops before `limit` (None: no limit); queued batches at or after
@@ -639,7 +674,13 @@ class ProcessLoader(keras.utils.PyDataset):
         (its reset) before `on_epoch_begin`: a dataset with hooks loads nothing ahead
         until then, as the reset may change it again (a reshuffle: all reloaded)."""
         with self._lock:
-            if self.num_batches is None or self._cursor.at_pass_start(consumer.stream, consumer.consumed):
+            taken = consumer.end_epoch()
+            stream = consumer.stream
+            if stream is not None and stream.pending and self._cursor.stream_at_pass_end(stream, taken):
+                stream.pending = False
+                if stream.base[0] == self._cursor.head[0]:
+                    self._pass_completed()
+            if self.num_batches is None or self._cursor.at_pass_start(consumer.stream, taken):
                 hold = consumer.ends_call and _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET)
                 self._run_hook("on_epoch_end", hold=hold)  # hold: until on_epoch_begin or a read
 
@@ -1332,7 +1373,7 @@ def _lists_to_tuples(tree):
     return tree
 
 
-def stream_batches(ref, *, hooks=None, consumer=None, stop=None):
+def stream_batches(ref, *, hooks=None, consumer=None, stop=None, confirm=False):
     """Yields one stream of the loader behind weak reference `ref`: the rest of its current
     pass. Holds the loader only while fetching (see NOTE in kpipe/_keras_hook.py).
 
@@ -1349,11 +1390,14 @@ def stream_batches(ref, *, hooks=None, consumer=None, stop=None):
             loading past it, until the limit moves, is lifted (`_demand`), or `stop` is
             set (the stream then ends). Without it the stream reads on: a tf.data thread
             must never wait for the main thread. Defaults to None.
+        confirm: The pass completes at the consumer's Keras epoch end that took its last
+            batch, not when the stream hands that batch out (a `tf.data` reader runs
+            ahead of Keras's steps). Defaults to False.
     """
     loader = ref()
     if loader is None:
         return
-    stream = loader._open_stream(hooks=hooks, consumer=consumer)
+    stream = loader._open_stream(hooks=hooks, consumer=consumer, confirm=confirm)
     if stop is not None:
         stream.resume = threading.Event()  # set: reading; clear: waiting at the read limit
         stream.resume.set()

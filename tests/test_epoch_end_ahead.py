@@ -336,10 +336,6 @@ def test_a_ctrl_c_while_sending_the_state_at_a_pass_end_leaves_no_pool_in_doubt(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    not _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET), strict=True,
-    reason="KNOWN BUG (issue 28 note): on Keras < 3.7 (tf.data path) the fit() after evaluate(steps=3) trains on "
-           "other batches with epoch_end_ahead=True than without; found after the hook-rule change, not fixed yet")
 def test_keras_probes_a_dropped_evaluate_and_shards_around_the_copy_train_as_without_the_option(no_leaks):
     # a strategy makes Keras pull batches to build the model (probes); evaluate(steps=3)
     # drops its stream mid-pass, so the next fit() replays that pass from its start

@@ -13,6 +13,9 @@ hands out consecutive keys. What Keras 3 does with a `PyDataset` (read from
 `keras/src/trainers/epoch_iterator.py` and the TensorFlow trainer):
 
     fit()/evaluate()/predict() build an adapter  -> 2 batches read for the tensor spec
+                                                    (Keras < 3.7, or when Keras asks
+                                                    kpipe's iterator for its tf.data
+                                                    dataset: kpipe builds it lazily)
     with a distribution strategy                 -> a tf.data iterator is made, 1+ batches
                                                     pulled ("symbolic build"), then dropped
     every iterator Keras makes                   -> a generator over positions 0..n-1
@@ -28,7 +31,10 @@ so:
 
 * each iterator Keras makes is a stream that ends with its pass;
 * a pass is *complete* when a stream hands out its last position; `head` then moves to
-  the next pass;
+  the next pass. A stream read through `tf.data` (Keras < 3.7: `from_generator` and its
+  prefetch, which run ahead of Keras's steps) *confirms*: its pass completes at the
+  Keras epoch end that took the last position, so an `evaluate(steps=k)` whose prefetch
+  read the pass to its end still leaves it to be replayed, as plain Keras replays it;
 * a new stream begins at `head`: after a complete pass that is the next pass, after a
   stream dropped mid-pass (a `fit()` that ended there, `evaluate(steps=k)`) it is the
   same pass again from its start, as plain Keras restarts from batch 0;
@@ -62,9 +68,9 @@ class Stream:
     passes its calls on), "iteration" (`as_dataset()`: the stream's start and end are an
     epoch's) or None (a probe)."""
 
-    __slots__ = ("base", "taken", "probe", "live", "hooks", "began", "ended", "resume")
+    __slots__ = ("base", "taken", "probe", "live", "hooks", "began", "ended", "resume", "confirm", "pending")
 
-    def __init__(self, base, *, probe, hooks=None):
+    def __init__(self, base, *, probe, hooks=None, confirm=False):
         self.base = base
         self.taken = 0
         self.probe = probe
@@ -73,6 +79,10 @@ class Stream:
         self.began = False  # (iteration streams) the dataset's on_epoch_begin ran for it
         self.ended = False  # (iteration streams) ... and its on_epoch_end
         self.resume = None  # a threading.Event for a reader that waits at the read limit
+        # `confirm`: handing out the pass's last batch does not complete the pass; the
+        # consumer's epoch end does, if the consumer took it (`pending` until then)
+        self.confirm = confirm and not probe
+        self.pending = False
 
 
 class PassCursor:
@@ -143,9 +153,10 @@ class PassCursor:
         """Whether anything of the head pass was handed out outside a probe."""
         return self._handed_in_pass
 
-    def open_stream(self, hooks=None):
-        """A stream that hands out the rest of the head's pass (one Keras iterator)."""
-        stream = Stream(self.head, probe=self.probing, hooks=hooks)
+    def open_stream(self, hooks=None, confirm=False):
+        """A stream that hands out the rest of the head's pass (one Keras iterator);
+        `confirm`: see `Stream`."""
+        stream = Stream(self.head, probe=self.probing, hooks=hooks, confirm=confirm)
         if stream.probe:
             self._probe_streams.append(stream)
         else:
