@@ -333,6 +333,34 @@ def _install_feed():
     class TFEpochIterator(base):
         _kpipe_feeds = True
 
+        def __init__(self, distribute_strategy=None, *args, **kwargs):
+            # Keras 3.7-3.15's TFEpochIterator.__init__, with its `tf.data` dataset built
+            # lazily (`_distributed_dataset` below, the same two calls) for a ProcessLoader:
+            # that is read through a feed, and the dataset over it (`from_generator` +
+            # `experimental_distribute_dataset`, ~30 ms, and 2 batch reads for its specs,
+            # paid by every fit/evaluate/predict call before its first step) is built only
+            # if asked for. Any other input gets it at once, as in Keras.
+            super(base, self).__init__(*args, **kwargs)  # EpochIterator's: the adapter
+            self._distribute_strategy = distribute_strategy
+            self._dataset = None
+            if getattr(self.data_adapter, "_kpipe_loader", None) is None:
+                self._distributed_dataset  # noqa: B018 -- built now, as Keras builds it
+
+        @property
+        def _distributed_dataset(self):
+            if self._dataset is None:
+                import tensorflow as tf
+
+                dataset = self.data_adapter.get_tf_dataset()
+                if not isinstance(dataset, tf.distribute.DistributedDataset):
+                    dataset = self._distribute_strategy.experimental_distribute_dataset(dataset)
+                self._dataset = dataset
+            return self._dataset
+
+        @_distributed_dataset.setter
+        def _distributed_dataset(self, dataset):
+            self._dataset = dataset
+
         def reset(self):
             reset = getattr(self.data_adapter, "_kpipe_reset", None)
             if reset is not None:

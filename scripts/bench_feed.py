@@ -10,7 +10,8 @@ round-robin for `--steps` steps per epoch), labels int64:
   1.5 MB   128 x 64 x 64 x 3
   9.6 MB   64 x 224 x 224 x 3
 
-Rows (each one `fit(epochs=1 + --epochs)`; the best epoch after the first counts):
+Rows (each one `fit(epochs=1 + --epochs)`; the best epoch after the first counts, the
+"steps/s" table):
 
   tf.data              tf.data.Dataset.from_tensor_slices(...).batch(...).prefetch(AUTOTUNE)
                        (the 1.00 reference)
@@ -22,6 +23,12 @@ Rows (each one `fit(epochs=1 + --epochs)`; the best epoch after the first counts
   kpipe.as_dataset     the same loader's .as_dataset()
   kpipe auto           kpipe.ProcessLoader(dataset, workers="auto")
   keras-mp             the PyDataset with workers=--workers, use_multiprocessing=True
+
+Then, on the same warm model and input, what users see of whole calls (the "whole calls"
+table): one more `fit(epochs=--epochs)` timed from the call to its return (start-up,
+epoch ends and all), as steps/s; and `--calls` further `fit(epochs=1)` calls, each timed
+from the call to the end of its first step (`on_train_batch_end`: the start-up every
+`fit()`/`evaluate()` pays, probes and stream start included), the median reported.
 
 Then a per-batch breakdown of the kpipe paths -- `fit(loader)` through the feed and
 through `from_generator`, and `fit(loader.as_dataset())` -- from `time.perf_counter`
@@ -155,6 +162,34 @@ def without_feed(active=True):
         adapter._kpipe_feed = original
 
 
+class FirstStep(keras.callbacks.Callback):
+    """Seconds from `t0` (set just before the call) to the end of the call's first step."""
+
+    def __init__(self):
+        super().__init__()
+        self.t0, self.first = None, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.first is None:
+            self.first = time.perf_counter() - self.t0
+
+
+def whole_calls(model, data, epochs, steps, calls):
+    """Steps/s of one whole `fit(epochs=epochs)` call, and the median first-step latency
+    (ms) of `calls` `fit(epochs=1)` calls, all on a model and input used before (warm)."""
+    t0 = time.perf_counter()
+    model.fit(data, epochs=epochs, verbose=0)
+    whole = epochs * steps / (time.perf_counter() - t0)
+    firsts = []
+    for _ in range(calls):
+        cb = FirstStep()
+        cb.t0 = time.perf_counter()
+        model.fit(data, epochs=1, verbose=0, callbacks=[cb])
+        firsts.append(cb.first * 1e3)
+    firsts.sort()
+    return whole, firsts[len(firsts) // 2], firsts
+
+
 def fit_rate(model, data, epochs):
     """Steps/s of the best epoch after the first (warm-up), and all epochs' rates."""
     timer = EpochTimer()
@@ -266,6 +301,20 @@ def print_table(rows, sizes):
         print(line)
 
 
+def print_calls(rows, sizes):
+    print("\nWhole calls (warm model and input): one fit(epochs=--epochs) from call to return, and the "
+          "median time from a fit(epochs=1) call to the end of its first step")
+    print(f"{'input to fit()':<20}" + "".join(f"{size + ' whole/s':>15}{'vs tf.data':>11}{'1st step ms':>12}{'vs tf.data':>11}" for size in sizes))
+    print("-" * (20 + 49 * len(sizes)))
+    for name in dict.fromkeys(r["row"] for r in rows):
+        line = f"{name:<20}"
+        for size in sizes:
+            r = next((r for r in rows if r["row"] == name and r["size"] == size), None)
+            line += (f"{r['whole_steps_per_s']:>15.0f}{r['whole_vs_tfdata']:>11.2f}{r['first_step_ms']:>12.1f}{r['first_step_vs_tfdata']:>11.2f}"
+                     if r else f"{'-':>15}{'-':>11}{'-':>12}{'-':>11}")
+        print(line)
+
+
 def print_breakdown(items):
     cols = [("step_us", "step"), ("loader_us", "in loader"), ("wait_recv_us", "wait+recv"), ("arrays_us", "arrays"),
             ("submit_us", "submit"), ("bookkeeping_us", "bookkeep"), ("standardize_us", "keras std"),
@@ -284,6 +333,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=64, help="batches per epoch. Default: 64")
     parser.add_argument("--distinct", type=int, default=16, help="distinct batches held in memory, served round-robin. Default: 16")
     parser.add_argument("--workers", type=int, default=2, help="workers of the kpipe and Keras multiprocessing rows. Default: 2")
+    parser.add_argument("--calls", type=int, default=7, help="fit(epochs=1) calls timed to their first step, per row. Default: 7")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-batch breakdown of the kpipe paths")
     parser.add_argument("--small", action="store_true", help="tiny batches, 8 steps, 1 timed epoch: a smoke test, not a measurement")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -298,11 +348,12 @@ def main(argv=None):
     if bad:
         parser.error(f"--rows takes {', '.join(_ROWS)}. Received: {','.join(bad)}")
     rows = ["tf.data"] + [r for r in _ROWS[1:] if r in rows]
-    for name in ("epochs", "steps", "distinct", "workers"):
+    for name in ("epochs", "steps", "distinct", "workers", "calls"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1. Received: {getattr(args, name)}")
     shapes = _SMALL_SIZES if args.small else _SIZES
     epochs, steps = (1, 8) if args.small else (args.epochs, args.steps)
+    calls = 2 if args.small else args.calls
     distinct = min(args.distinct, steps)
 
     import tensorflow as tf
@@ -315,14 +366,18 @@ def main(argv=None):
         for row in rows:
             with make_input(row, x, y, steps, args.workers) as (data, loader):
                 best, rates, _ = fit_rate(model, data, epochs)
+                whole, first, firsts = whole_calls(model, data, epochs, steps, calls)
                 extra = {"workers_end": loader.stats()["workers"]} if loader is not None else {}
             results.append({"size": size, "batch_shape": list(shape), "batch_mb": x[0].nbytes / 1e6, "row": row,
-                            "steps_per_s": best, "epoch_rates": rates, **extra})
-            print(f"  {size}: {row:<18} {best:8.0f} steps/s", flush=True)
-        ref = next(r["steps_per_s"] for r in results if r["size"] == size and r["row"] == "tf.data")
+                            "steps_per_s": best, "epoch_rates": rates, "whole_steps_per_s": whole,
+                            "first_step_ms": first, "first_steps_ms": firsts, **extra})
+            print(f"  {size}: {row:<18} {best:8.0f} steps/s best epoch, {whole:8.0f} whole call, first step {first:6.1f} ms", flush=True)
+        ref = next(r for r in results if r["size"] == size and r["row"] == "tf.data")
         for r in results:
             if r["size"] == size:
-                r["vs_tfdata"] = r["steps_per_s"] / ref
+                r["vs_tfdata"] = r["steps_per_s"] / ref["steps_per_s"]
+                r["whole_vs_tfdata"] = r["whole_steps_per_s"] / ref["whole_steps_per_s"]
+                r["first_step_vs_tfdata"] = r["first_step_ms"] / ref["first_step_ms"]
         if not args.no_breakdown:
             for path in ("from_generator", "feed", "as_dataset"):
                 parts.append(dict(breakdown(model, x, y, steps, epochs, args.workers, path), size=size, workers=args.workers))
@@ -331,6 +386,7 @@ def main(argv=None):
     print(f"\nFeed benchmark: {len(os.sched_getaffinity(0))} CPUs, {steps} steps per epoch, best of 1 warm-up + {epochs} epochs, "
           f"workers={args.workers}, tensorflow {tf.__version__}, keras {keras.__version__}" + (" (--small: smoke test)" if args.small else ""))
     print_table(results, sizes)
+    print_calls(results, sizes)
     if parts:
         print_breakdown(parts)
     if args.json:

@@ -30,6 +30,8 @@ def test_bench_feed_small_run_reports_every_row_and_the_breakdown(tmp_path):
         assert [r["row"] for r in mine] == ROWS
         assert all(r["steps_per_s"] > 0 and len(r["epoch_rates"]) == 2 for r in mine)
         assert mine[0]["vs_tfdata"] == 1.0
+        assert all(r["whole_steps_per_s"] > 0 and r["first_step_ms"] > 0 and len(r["first_steps_ms"]) == 2 for r in mine)
+        assert mine[0]["whole_vs_tfdata"] == 1.0 and mine[0]["first_step_vs_tfdata"] == 1.0
     assert [(b["size"], b["path"]) for b in result["breakdown"]] == [
         (s, p) for s in ("1.5MB", "9.6MB") for p in PATHS
     ]
@@ -45,6 +47,7 @@ def test_bench_feed_small_run_reports_every_row_and_the_breakdown(tmp_path):
         assert (b["standardize_us"] > 0) == (b["path"] != "fit(loader.as_dataset())"), b
     table = proc.stdout[proc.stdout.index("input to fit()"):]
     assert all(name in table for name in ROWS) and "Per-batch time of the kpipe paths" in proc.stdout
+    assert "Whole calls (warm model and input)" in proc.stdout
 
 
 def test_bench_feed_rejects_bad_arguments(capsys):
@@ -55,7 +58,7 @@ def test_bench_feed_rejects_bad_arguments(capsys):
         import bench_feed
     finally:
         sys.path.pop(0)
-    for bad in (["--sizes", "3MB"], ["--rows", "torch"], ["--epochs", "0"]):
+    for bad in (["--sizes", "3MB"], ["--rows", "torch"], ["--epochs", "0"], ["--calls", "0"]):
         with pytest.raises(SystemExit) as info:
             bench_feed.main(bad)
         err = capsys.readouterr().err

@@ -74,18 +74,15 @@ def test_keras_calls_reach_the_dataset_as_for_plain_keras(call, data, kwargs, re
         calls = loader.dataset.calls
     assert calls == plain.calls  # e.g. E B E B E B E for fit(epochs=3) on Keras >= 3.7
     assert steps == plain_steps
-    # Loads: one per step, nothing past the call's last step; Keras's 2 tensor-spec reads
-    # are served from those, unless the dataset changed at Keras's first on_epoch_end
-    # (>= 3.7, after those reads): then they load again, as plain Keras loads them. With
-    # workers=0 the dataset is shared, so any hook counts as a change (README).
+    # Loads: one per step, nothing past the call's last step. Keras >= 3.7 reads a loader
+    # through kpipe's feed, and the tf.data dataset Keras would build over it (whose
+    # element specs cost 2 batch reads) is never built (kpipe/_keras_hook.py).
     want = steps
-    if workers == 0 or (reshuffle and _RESETS and call != "predict"):
-        want += min(2, data["n"])
     if _RESETS:
         assert _loads(log) == want
     else:  # Keras < 3.7 reads a loader through tf.data, whose prefetch pulls past the last
         # step -- past each epoch's end for an infinite dataset, whose reshuffle then drops it
-        assert steps <= _loads(log) <= want + kwargs.get("epochs", 1) * (4 + 2 * max(workers, 2))
+        assert steps <= _loads(log) <= want + 2 + kwargs.get("epochs", 1) * (4 + 2 * max(workers, 2))
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["inline", "workers-2"])
@@ -103,11 +100,12 @@ def test_validation_hooks_and_loads_equal_plain_keras(workers, tmp_path, no_leak
     for key in ("loss", "val_loss"):  # the same batches, in each run's order
         np.testing.assert_allclose(got[key], want[key], rtol=1e-6, err_msg=key)
     # nothing loads past the last step; a validation run reshuffles twice (Keras's reset
-    # and its epoch end) and nothing loads between them. Keras's spec reads are served
-    # from the first batches, unless a hook ran between (always with workers=0, whose
-    # dataset is shared: README)
-    assert _loads(log) == 3 * 6 + (2 if workers == 0 else 0)
-    assert 3 * 4 <= _loads(val_log) <= 3 * 4 + 2
+    # and its epoch end) and nothing loads between them. Keras >= 3.7 builds no tf.data
+    # dataset over a loader, so no spec reads; Keras < 3.7's are served from the first
+    # batches, unless a hook ran between (always with workers=0, whose dataset is shared)
+    spec_reads = 0 if _RESETS else 2
+    assert 3 * 6 <= _loads(log) <= 3 * 6 + (spec_reads if workers == 0 else 0)
+    assert 3 * 4 <= _loads(val_log) <= 3 * 4 + spec_reads
 
 
 @pytest.mark.skipif(not _RESETS, reason="Keras < 3.7 does not restart finite inputs with steps_per_epoch")
@@ -208,3 +206,30 @@ def test_random_reads_and_hooks_match_a_plain_pydataset_read_by_hand(workers, no
                         indices = actions.integers(0, len(plain), size=int(actions.integers(1, 6)))
                     for i in indices:
                         np.testing.assert_array_equal(loader[int(i)], plain[int(i)], err_msg=f"trial {trial} step {step} [{i}]")
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["stateless", "reshuffles"])
+def test_as_dataset_with_epochs_loads_each_batch_once_per_iteration(hooks, tmp_path, no_leaks):
+    import tensorflow as tf
+
+    from _keras_datasets import BatchIds
+
+    log = str(tmp_path / "loads")
+    dataset = HookLog(6, log=log, reshuffle=True) if hooks else BatchIds(6, log=log)
+    with kpipe.ProcessLoader(dataset, workers=2) as loader:
+        ds = loader.as_dataset(epochs=2)
+        steps = _run("fit", ds, epochs=2)
+        assert steps == 12
+        # the element spec reads 2 batches, served to the first iteration (not loaded twice);
+        # nothing of a third pass was sent to the workers (what they load later is in `_queue`:
+        # without `epochs`, a stateless dataset's next max_queue_size batches)
+        assert _loads(log) == 12 and not loader._queue
+        if hooks:
+            assert loader.dataset.calls == ["B", "E", "B", "E"]  # each iteration is one pass
+        third = [int(x[0, 0]) for x, _ in ds]  # iterated once more than planned: still whole
+        assert sorted(third) == list(range(6)) and _loads(log) == 18
+    with kpipe.ProcessLoader(HookLog(6), workers=0) as loader:
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match=r"`epochs` must be a positive int .* Received: epochs="):
+                loader.as_dataset(epochs=bad)
+        assert isinstance(loader.as_dataset(epochs=1), tf.data.Dataset)

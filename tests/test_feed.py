@@ -156,3 +156,29 @@ def test_as_dataset_device_must_name_a_device_of_this_process(no_leaks):
                 loader.as_dataset(device=bad)
         x, y = next(iter(loader.as_dataset(device="/cpu:0")))
         assert x.device.endswith("device:CPU:0") and int(y[0]) == 0
+
+
+@needs_feed
+def test_calls_through_the_feed_build_no_tf_data_pipeline(no_leaks, monkeypatch):
+    # Keras's TFEpochIterator builds `from_generator` + `experimental_distribute_dataset`
+    # over the adapter at every fit/evaluate/predict (~30 ms before the first step); a
+    # ProcessLoader is read through the feed, so kpipe builds it only if asked for.
+    from keras.src.trainers import data_adapters
+
+    built = []
+    adapter = data_adapters.PyDatasetAdapter
+    original = adapter.get_tf_dataset
+    monkeypatch.setattr(adapter, "get_tf_dataset", lambda self: built.append(self) or original(self))
+    model = tiny_model()
+    with kpipe.ProcessLoader(Images(), workers=2) as loader:
+        model.fit(loader, validation_data=loader, epochs=2, verbose=0)
+        model.evaluate(loader, verbose=0)
+        assert model.predict(loader, verbose=0).shape == (96, 1)
+        assert built == []
+        plain = Images()
+        model.fit(plain, epochs=1, verbose=0)  # a plain PyDataset still goes through tf.data
+        assert len(built) == 1
+        with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+            strategic = tiny_model()
+        strategic.fit(loader, epochs=1, verbose=0)  # (its symbolic build reads through the feed too)
+        assert len(built) == 1

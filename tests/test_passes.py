@@ -115,8 +115,8 @@ def test_fit_consumes_whole_passes_with_the_steps_keras_takes(steps, shuffle, wo
     assert ids == planned(n, len(ids), shuffle, seed=0)  # passes in plan order, none cut
     if not shuffle:
         assert ids == keras_ids
-    # Keras's 2 tensor-spec reads are served from the batches loaded for training, and
-    # read-ahead stops where the last epoch does: one load per step. Keras < 3.7 reads a
+    # Keras >= 3.7 builds no tf.data dataset over a loader (no spec reads), and read-ahead
+    # stops where the last epoch does: one load per step. Keras < 3.7 reads a
     # loader through tf.data, whose prefetch pulls past the last step (README: deviations).
     if _RESTARTS:
         assert stats["passes"] == len(ids) // n  # a pass cut by the last epoch does not end
