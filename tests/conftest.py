@@ -161,3 +161,27 @@ def no_leaks():
     assert shm_entries() - before_shm == set()
     assert memfd_count() <= before_fd
     assert not feed_threads(), "a kpipe feed thread outlived the test"
+
+
+# Child processes a test left running (not failing it: a test that means to check for
+# leaks uses `no_leaks`); listed at the end of the run, so a leak shows which test made it.
+_LEFT_RUNNING = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = {p.pid for p in kpipe_children()}
+    yield
+    left = [p for p in kpipe_children() if p.pid not in before]
+    if left:
+        time.sleep(0.5)  # (a process mid-exit gets a moment: this is a report, not a check)
+        left = live_pids([p.pid for p in left])
+    if left:
+        _LEFT_RUNNING[item.nodeid] = left
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _LEFT_RUNNING:
+        terminalreporter.section("child processes left running by tests")
+        for nodeid, pids in _LEFT_RUNNING.items():
+            terminalreporter.write_line(f"{nodeid}: {len(pids)} (pids {', '.join(map(str, pids))})")
