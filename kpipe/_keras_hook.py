@@ -306,7 +306,13 @@ def _make_adapter(base):
                 self._output_signature = data_adapter_utils.get_tensor_spec(batches)
                 del batches
             ds = tf.data.Dataset.from_generator(self._get_iterator, output_signature=self._output_signature)
-            ds = ds.prefetch(tf.data.AUTOTUNE)
+            # The loader's workers load ahead: no tf.data prefetch on top (as Keras does for
+            # its own enqueuer), so the generator is pulled once per step and nothing is
+            # read past the step Keras takes last (a prefetch ran 7-9 batches past it).
+            options = tf.data.Options()
+            options.autotune.enabled = False
+            options.threading.private_threadpool_size = 1
+            ds = ds.with_options(options)
             return mark_presharded(ds) if loader.num_shards > 1 else ds
 
     return PyDatasetAdapter

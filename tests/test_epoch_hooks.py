@@ -76,13 +76,15 @@ def test_keras_calls_reach_the_dataset_as_for_plain_keras(call, data, kwargs, re
     assert steps == plain_steps
     # Loads: one per step, nothing past the call's last step. Keras >= 3.7 reads a loader
     # through kpipe's feed, and the tf.data dataset Keras would build over it (whose
-    # element specs cost 2 batch reads) is never built (kpipe/_keras_hook.py).
-    want = steps
-    if _RESETS:
-        assert _loads(log) == want
-    else:  # Keras < 3.7 reads a loader through tf.data, whose prefetch pulls past the last
-        # step -- past each epoch's end for an infinite dataset, whose reshuffle then drops it
-        assert steps <= _loads(log) <= want + 2 + kwargs.get("epochs", 1) * (4 + 2 * max(workers, 2))
+    # element specs cost 2 batch reads) is never built (kpipe/_keras_hook.py); Keras < 3.7
+    # reads it through that dataset, pulled once per step (no tf.data prefetch on top), and
+    # its 2 spec reads serve the first steps unless a hook changed the dataset in between
+    # (always with workers=0, which shares the dataset): then they load again. And Keras
+    # 3.5/3.6 begins epochs after a finite input with steps_per_epoch ran out, which take
+    # no step: the loader has loaded its first window (4 batches here) when the next
+    # on_epoch_end, a reshuffle, drops it.
+    extra = 0 if _RESETS else 2 + (4 if "steps_per_epoch" in kwargs and not data.get("infinite") else 0)
+    assert steps <= _loads(log) <= steps + extra
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["inline", "workers-2"])

@@ -115,14 +115,12 @@ def test_fit_consumes_whole_passes_with_the_steps_keras_takes(steps, shuffle, wo
     assert ids == planned(n, len(ids), shuffle, seed=0)  # passes in plan order, none cut
     if not shuffle:
         assert ids == keras_ids
-    # Keras >= 3.7 builds no tf.data dataset over a loader (no spec reads), and read-ahead
-    # stops where the last epoch does: one load per step. Keras < 3.7 reads a
-    # loader through tf.data, whose prefetch pulls past the last step (README: deviations).
-    if _RESTARTS:
-        assert stats["passes"] == len(ids) // n  # a pass cut by the last epoch does not end
-        assert loads(log) == len(ids)
-    else:
-        assert len(ids) <= loads(log) <= len(ids) + 4 + 2 * max(workers, 2)
+    # Read-ahead stops where the last epoch does: one load per step. Keras >= 3.7 builds no
+    # tf.data dataset over a loader (no spec reads); Keras < 3.7 reads it through one that
+    # pulls a batch per step (no tf.data prefetch on top of the loader's) and whose spec
+    # reads are served from the batches loaded for the first steps.
+    assert stats["passes"] == len(ids) // n  # a pass cut by the last epoch does not end
+    assert loads(log) == len(ids)
 
 
 def test_fit_with_threads_and_a_stateful_dataset_keeps_whole_passes(tmp_path, no_leaks):
