@@ -25,7 +25,6 @@ The figures are whole runs (venv + install, then the suite), timed by this scrip
 
 import argparse
 import json
-import multiprocessing
 import os
 import re
 import shutil
@@ -48,40 +47,41 @@ def readme_command(readme_path):
     raise SystemExit(f"{readme_path} has no ```bash line that makes a venv and runs pytest; nothing to check.")
 
 
-def _spin(duty, stop_at):
-    """A background load: busy for `duty` of every 100 ms, until `stop_at` (monotonic)."""
-    period = 0.1
-    while time.monotonic() < stop_at:
-        start = time.monotonic()
-        while time.monotonic() - start < duty * period:
-            pass
-        time.sleep(max(0.0, (1 - duty) * period))
+_SPIN = """
+import sys, time
+duty, stop_at = float(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+period = 0.1
+while time.monotonic() < stop_at:
+    start = time.monotonic()
+    while time.monotonic() - start < duty * period:
+        pass
+    time.sleep(max(0.0, (1 - duty) * period))
+"""
 
 
 class Load:
-    """`procs` spinning processes, started and stopped around the suite (a context)."""
+    """`procs` spinning processes -- each busy for `duty` of every 100 ms, for `max_s` at
+    most -- started and stopped around the suite (a context). Plain interpreters, not
+    `multiprocessing` ones, which would leave its resource tracker behind."""
 
     def __init__(self, procs, duty, max_s):
         self.procs, self.duty, self.max_s = procs, duty, max_s
         self._children = []
 
     def __enter__(self):
-        ctx = multiprocessing.get_context("spawn")
-        stop_at = time.monotonic() + self.max_s
         for _ in range(self.procs):
-            p = ctx.Process(target=_spin, args=(self.duty, stop_at), daemon=True)
-            p.start()
-            self._children.append(p)
+            self._children.append(subprocess.Popen([sys.executable, "-c", _SPIN, str(self.duty), str(self.max_s)]))
         return self
 
     def __exit__(self, *exc):
         for p in self._children:
             p.terminate()
         for p in self._children:
-            p.join(10)
-            if p.is_alive():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
                 p.kill()
-                p.join()
+                p.wait()
         return False
 
 

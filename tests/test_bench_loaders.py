@@ -73,7 +73,10 @@ def test_bench_loaders_runs_the_fixed_order_workload_beside_b(tmp_path):
     by_loader = {(r["workload"], r["loader"]): r for r in result["rows"]}
     for key in [("b", "kpipe"), ("b", "kpipe-ahead"), ("b", "ceiling"), ("b", "ceiling-passes"), ("b-fixed", "kpipe")]:
         cpu = by_loader[key]["cpu"]
-        assert cpu["worker_us_per_sample"] > 0 and 0 < cpu["workers"] <= 1.05, (key, cpu)
+        # a share of all CPUs: at most 1, but for clock-tick rounding between the readings of
+        # each process and of /proc/stat (short runs: 1.06 seen); a share of one CPU -- the
+        # unit error this guards against -- would be near 2 for these 2 busy workers
+        assert cpu["worker_us_per_sample"] > 0 and 0 < cpu["workers"] <= 1.5, (key, cpu)
         assert 0 <= cpu["idle"] <= 1 and 0 <= cpu["steal"] <= 1
     assert by_loader[("b", "ceiling")]["cpu"]["main"] == 0.0 and by_loader[("b", "kpipe")]["cpu"]["main"] > 0
     assert by_loader[("b", "kpipe")]["x_ceiling_paired"] == pytest.approx(by_loader[("b", "kpipe")]["x_ceiling"])  # one round

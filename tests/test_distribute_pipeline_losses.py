@@ -21,6 +21,9 @@ ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
        "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 ENV.pop("TF_CONFIG", None)
 TOLERANCE = 1e-5  # per-epoch losses and metrics, final weights, evaluate()
+# ... plus this share of the value: float32 sums of M micro-batches' losses come out in
+# another order than the whole batch's, a few ulps apart -- 1.5e-5 on Circle's loss of 92.
+RELATIVE = 1e-6
 
 _spec = importlib.util.spec_from_file_location("pipeline_losses", PROGRAM)
 _program = importlib.util.module_from_spec(_spec)
@@ -58,11 +61,11 @@ def assert_trains_like_the_unsplit_model(record, configs):
         where = f"{run['stages']} stages, M={run['microbatches']}"
         assert run["history"].keys() == unsplit["history"].keys(), where
         for key, values in unsplit["history"].items():
-            np.testing.assert_allclose(run["history"][key], values, rtol=0, atol=TOLERANCE, err_msg=f"{key}, {where}")
+            np.testing.assert_allclose(run["history"][key], values, rtol=RELATIVE, atol=TOLERANCE, err_msg=f"{key}, {where}")
         assert run["max_weight_diff"] < TOLERANCE, where
         assert run["moved"] > 1e-3, where  # and so did the pipeline (not merely "close to the start")
         for key, value in unsplit["evaluate"].items():
-            assert abs(run["evaluate"][key] - value) < TOLERANCE, (key, where)
+            assert abs(run["evaluate"][key] - value) <= TOLERANCE + RELATIVE * abs(value), (key, where)
 
 
 @pytest.mark.parametrize("case", HEADS)

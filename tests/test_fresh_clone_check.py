@@ -39,6 +39,6 @@ def test_bad_arguments_are_refused(args, message):
 @pytest.mark.multiprocess
 def test_the_load_runs_and_stops_with_its_block():
     with fresh_clone_check.Load(procs=2, duty=0.3, max_s=60) as load:
-        assert all(p.is_alive() for p in load._children)
+        assert all(p.poll() is None for p in load._children)
         children = list(load._children)
-    assert len(children) == 2 and not any(p.is_alive() for p in children)
+    assert len(children) == 2 and all(p.poll() is not None for p in children)
