@@ -85,6 +85,11 @@ class KerasConsumer:
         self._total = None
         self._begun = 0
 
+    @property
+    def each_a_call(self):
+        """Whether every Keras epoch of this consumer is a call of its own (validation)."""
+        return self._each_a_call
+
     def begin_epoch(self):
         """Counts a Keras epoch; returns how many the call runs from this one on (1: this
         is its last; None when unknown)."""

@@ -612,6 +612,8 @@ class ProcessLoader(keras.utils.PyDataset):
             if probe:
                 return
             start = self._cursor.stream_position(stream, consumed)
+            if left is not None and finite and steps is not None and consumer.each_a_call and steps < self.num_batches:
+                left = 1  # every epoch a call (validation) that starts the pass again: none reads past its steps
             limit = None
             if left is not None and (left == 1 or not self._stateful):
                 limit = start

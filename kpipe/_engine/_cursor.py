@@ -195,11 +195,14 @@ class PassCursor:
 
     def stream_position(self, stream=None, consumed=None):
         """The key a consumer reading through `stream` reads next, having taken
-        `consumed` batches of it (None: what it handed out); the head for a new one."""
+        `consumed` batches of it (None: what it handed out); the head for a new one.
+        The stream's pass may have completed already (the head moved on) when its reader
+        ran ahead of the consumer (kpipe's feed) to the pass's last batch: the consumer
+        still stands where it took `consumed`."""
         taken = stream.taken if stream is not None and consumed is None else consumed
         if stream is None or not stream.live or stream.probe or self.stream_at_pass_end(stream, taken):
             return self.head
-        return max(self.head, self.walk(stream.base, taken))
+        return self.walk(stream.base, taken)
 
     def direct_key(self, index):
         """The key of `loader[index]` and whether the read is in order: see the NOTE."""
