@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kpipe.distribute._launcher import wildcard_listeners
+from kpipe.distribute._ports import wildcard_listeners
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(ROOT, "tests", "programs")

@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from kpipe.distribute._launcher import outside_interfaces, wildcard_listeners
+from kpipe.distribute._ports import outside_interfaces, wildcard_listeners
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAM = os.path.join(ROOT, "tests", "programs", "mw_listen.py")

@@ -170,7 +170,7 @@ def kpipe_warnings_as_lines(prog: str):
 
     Other warnings keep Python's usual format.
     """
-    from kpipe.distribute._launcher import OpenPortsWarning
+    from kpipe.distribute._ports import OpenPortsWarning
 
     original = warnings.showwarning
 

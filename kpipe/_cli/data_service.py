@@ -66,7 +66,7 @@ def _start(args, _data_service):
         address = server.target[len("grpc://"):].replace("localhost", "127.0.0.1")
         print(f"kpipe data-service: dispatcher ready at {address}", flush=True)
     else:
-        from kpipe.distribute._launcher import free_ports
+        from kpipe.distribute._ports import free_ports
 
         port = args.port or free_ports(1, args.host)[0]
         server = _data_service.start_worker(args.dispatcher, port, host=args.host)

@@ -25,7 +25,8 @@ first use.
 from kpipe import _lazy
 from kpipe.distribute._chief import chief_only, chief_path, per_worker_path
 from kpipe.distribute._cluster import ClusterInfo, TFConfigError, cluster_info, default_shard
-from kpipe.distribute._launcher import LaunchResult, OpenPortsWarning, free_ports, launch, tf_configs
+from kpipe.distribute._launcher import LaunchResult, launch, tf_configs
+from kpipe.distribute._ports import OpenPortsWarning, free_ports
 from kpipe.distribute._lr import scaled_learning_rate
 from kpipe.distribute._sharding import check_shuffle_seed, is_presharded, mark_presharded
 

@@ -21,7 +21,7 @@ import os
 import warnings
 from typing import Optional
 
-from kpipe.distribute._launcher import (OpenPortsWarning, open_ports_message, outside_interfaces,
+from kpipe.distribute._ports import (OpenPortsWarning, open_ports_message, outside_interfaces,
                                         wildcard_listeners)
 
 _PROCESSING_MODES = ("parallel_epochs", "distributed_epoch")
@@ -96,7 +96,7 @@ def start_worker(dispatcher: str, port: int = 0, *, host: str = "127.0.0.1"):
     import tensorflow as tf
 
     if port == 0:
-        from kpipe.distribute._launcher import free_ports
+        from kpipe.distribute._ports import free_ports
 
         port = free_ports(1, host)[0]
     config = tf.data.experimental.service.WorkerConfig(
