@@ -21,6 +21,8 @@ from kpipe.distribute import launch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(ROOT, "tests", "programs")
+sys.path.insert(0, PROGRAMS)
+import _outputs  # noqa: E402 (tests/programs)
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
        "TF_CPP_MIN_LOG_LEVEL": "2"}
 N_WORKERS = 2
@@ -228,12 +230,7 @@ def test_workers_with_torn_backups_agree_on_the_older_epoch(tmp_path):
     assert (backup / "worker-1" / "epoch-000002" / "state.weights.h5").is_file()
 
     _launch(tmp_path / "resumed", *common, "--reference")
-    records = [json.loads((tmp_path / "resumed" / f"worker{i}.json").read_text())
-               for i in range(N_WORKERS)]
-    arrays = []
-    for i in range(N_WORKERS):
-        with np.load(tmp_path / "resumed" / f"worker{i}.npz") as f:
-            arrays.append({k: f[k] for k in f.files})
+    records, arrays = zip(*(_outputs.read(tmp_path / "resumed", i) for i in range(N_WORKERS)))
     for record in records:
         assert record["restored_epoch"] == 1 and record["epochs_run"] == [1, 2]
         assert record["iterations"] == 3 * 4  # 3 epochs of 4 global batches

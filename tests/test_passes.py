@@ -18,6 +18,7 @@ from _keras_datasets import BatchIds, GrowingIds, ReplacingIds
 from conftest import kpipe_children
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs"))
+import _outputs  # noqa: E402 (tests/programs)
 from kpipe import _compat
 from kpipe._engine._planner import EpochPlanner
 
@@ -335,11 +336,7 @@ def _launch(out, *args, expect=0):
     if result.returncode != expect and "address already in use" in "".join(result.tails).lower():
         result = launch(command, workers=2, env=_ENV, output=io.StringIO(), timeout_s=180)
     assert result.returncode == expect, "\n".join([f"launch returned {result.returncode}"] + list(result.tails))
-    records = []
-    for i in range(2):
-        path = out / f"worker{i}.json"
-        records.append(json.loads(path.read_text()) if path.exists() else None)
-    return records
+    return [_outputs.read(out, i)[0] for i in range(2)]
 
 
 def _keras_steps(n, steps_per_epoch, epochs):
@@ -367,8 +364,8 @@ def test_keras_step_count_model_matches_keras():
 
 
 def _weights(out, i):
-    with np.load(out / f"worker{i}.npz") as f:
-        return [f[k] for k in sorted(f.files)]
+    arrays = _outputs.read(out, i)[1]
+    return [arrays[k] for k in sorted(arrays)]
 
 
 @pytest.mark.multiworker

@@ -16,7 +16,6 @@ batches), and saves those weights as `reference/w<i>`.
 """
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -24,6 +23,7 @@ import time
 
 import numpy as np
 
+import _outputs
 from mw_train import GLOBAL_BATCH, ContiguousBatches, build_model, compile_model, make_data
 
 SEED = 7
@@ -119,11 +119,7 @@ def main(argv=None):
             shard.close()
         arrays.update({f"reference/w{i}": w for i, w in enumerate(reference.get_weights())})
 
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"worker{info.worker_index}")
-    np.savez(stem + ".npz", **arrays)
-    with open(stem + ".json", "w") as f:
-        json.dump(record, f)
+    _outputs.write(args.out, info.worker_index, record, arrays)
     print(f"worker {info.worker_index}: done", flush=True)
     return 0
 

@@ -21,6 +21,8 @@ import sys
 
 import numpy as np
 
+import _outputs
+
 N_BATCHES = 16
 SEED = 11
 
@@ -125,9 +127,7 @@ def main(argv=None):
         "restored_step": backup.restored_step if backup is not None else None,
         "iterations": int(model.optimizer.iterations.numpy()),
     }
-    np.savez(stem + ".npz", **{f"w{i}": w for i, w in enumerate(model.get_weights())})
-    with open(stem + ".json", "w") as f:
-        json.dump(record_out, f)
+    _outputs.write(args.out, info.worker_index, record_out, {f"w{i}": w for i, w in enumerate(model.get_weights())})
     print(f"worker {info.worker_index}: done", flush=True)
     return 0
 
