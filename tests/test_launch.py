@@ -374,6 +374,12 @@ def test_no_warning_inside_a_loopback_only_network_namespace(tmp_path, no_leaks)
     assert proc.returncode == 0, proc.stderr
     assert sorted(line.split()[1] for line in proc.stdout.splitlines()) == ["0]", "1]"]  # both listened
     assert "warning" not in proc.stderr, proc.stderr
+    # why it is silent, whether or not its look fell inside the listeners' 3 s: in there, the
+    # launcher sees no interface besides loopback (outside it, this host has one: above)
+    inside = subprocess.run(["unshare", "--user", "--map-root-user", "--net", sys.executable, "-c",
+                             "from kpipe.distribute._ports import outside_interfaces; print(outside_interfaces())"],
+                            env=ENV, capture_output=True, text=True, timeout=60)
+    assert inside.returncode == 0 and inside.stdout.strip() == "[]", inside.stderr
 
 
 def test_readme_security_section_says_what_is_exposed_and_how_to_fence_it():
