@@ -73,7 +73,7 @@ _SKIP_ENV = "KPIPE_SKIP_VERSION_CHECK"
 
 # Keras versions from which a Keras behaviour kpipe adapts to exists.
 KERAS_ITERABLE_TRAIN_FUNCTION = (3, 7)  # train_function takes a list of batches; reset()
-# For kpipe's Keras hook (kpipe/_keras_hook.py, kpipe/loader.py): EpochIterator.reset(),
+# For kpipe's Keras hook (kpipe/_keras_hook.py, kpipe/_reader.py): EpochIterator.reset(),
 # _enumerate_iterator(), __iter__/__next__ and _interrupted_warning() exist from 3.7 (before:
 # enumerate_epoch() only, and fit() calls no reset); _enumerate_iterator() yields
 # (begin_step, end_step, iterator) from 3.11, (step, iterator) before.

@@ -31,7 +31,7 @@ the batch is split along its first axis into contiguous, near-equal parts (as
 `tf.data`'s rebatching does), each copied to its replica's device, and handed over as
 `PerReplica` values.
 
-Streams and probes are the loader's (see the NOTE in `kpipe/_engine/_cursor.py`): a
+Streams and probes are the loader's (see the NOTE in `kpipe/_engine/_position.py`): a
 feed reads one stream; a feed made while the loader is in a probe (Keras's symbolic
 build) reads in the calling thread, starts no thread and gives each batch whole. A feed's thread stops at the
 end of its stream, on an error (re-raised by `next()` in the main thread, traceback
@@ -45,6 +45,8 @@ import threading
 import weakref
 
 import numpy as np
+
+from kpipe import _stream
 
 _END = object()
 _POLL_S = 0.1
@@ -171,7 +173,7 @@ class Feed:
         depth: batches converted ahead.
         consumer: the adapter's `kpipe._keras_hook.KerasConsumer`: the stream is
             recorded there, and the thread waits where the loader's read limit says the
-            consumer's Keras epoch ends (see `kpipe.loader.stream_batches`).
+            consumer's Keras epoch ends (see `kpipe._stream.stream_batches`).
     """
 
     def __init__(self, loader_ref, standardize, strategy, depth=1, consumer=None):
@@ -206,15 +208,13 @@ class Feed:
         return item
 
     def _start(self):
-        from kpipe.loader import stream_batches
-
         loader = self._ref()
-        probing = loader is not None and loader._probing()
+        probing = loader is not None and _stream.source_of(loader).probing()
         del loader
         if probing:
-            self._sync = stream_batches(self._ref, consumer=self._consumer)
+            self._sync = _stream.stream_batches(self._ref, consumer=self._consumer)
             return
-        stream = stream_batches(self._ref, consumer=self._consumer, stop=self._stop)
+        stream = _stream.stream_batches(self._ref, consumer=self._consumer, stop=self._stop)
         self._queue = queue.Queue(self._depth)
         stop = self._stop
         weakref.finalize(self, stop.set)  # a dropped feed stops its thread
@@ -256,7 +256,7 @@ class Feed:
             return
         loader = self._ref()
         if loader is not None:
-            loader._demand(consumer)
+            _stream.source_of(loader).demand(consumer)
 
 
 def _produce(stream, ref, standardize, place, out, stop):
@@ -284,7 +284,7 @@ def _put(out, item, stop, ref):
             return True
         except queue.Full:
             loader = ref()
-            gone = loader is None or loader._closed
+            gone = loader is None or _stream.source_of(loader).closed
             del loader
             if gone:
                 return False

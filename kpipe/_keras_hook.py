@@ -12,7 +12,7 @@ for a `ProcessLoader`:
   `on_epoch_end` are not forwarded (they fall mid-pass when `steps_per_epoch < len`),
   and the reads Keras makes only to learn the tensor spec -- or to build the model
   under a strategy (`_maybe_symbolic_build`, wrapped here) -- are *probes* that consume
-  nothing (see the NOTE in `kpipe/_engine/_cursor.py`);
+  nothing (see the NOTE in `kpipe/_engine/_position.py`);
 * marks the `tf.data.Dataset` presharded when the loader loads only this worker's shard
   (`num_shards > 1`), so kpipe's `MultiWorkerMirroredStrategy` neither auto-shards it nor
   splits its batch again (also for any `PyDataset` with `num_shards > 1`).
@@ -39,15 +39,26 @@ With a Keras lacking this module layout the hooks are not installed; a ProcessLo
 then still works (random access), but Keras's epoch ends reach `on_epoch_end`.
 """
 
-import contextlib
 import contextvars
 import functools
 import inspect
 import weakref
 
+from kpipe import _stream
+from kpipe.errors import LoaderClosedError
+
 # {id(loader): (runs, steps, each_a_call)} for the loaders of the Keras call running in this context
 # (set by `_plan_calls`' wrappers, read when Keras builds the adapters inside the call).
 _PLANS = contextvars.ContextVar("kpipe_keras_plans", default=None)
+# loader -> weak reference to the epoch iterator Keras trains it with (see keras_iterator)
+_ITERATORS = weakref.WeakKeyDictionary()
+
+
+def keras_iterator(loader):
+    """The epoch iterator Keras's `fit()` reads `loader` through (the last one it built a
+    model with under a strategy), or None."""
+    ref = _ITERATORS.get(loader)
+    return ref() if ref is not None else None
 
 
 def install():
@@ -100,7 +111,7 @@ class KerasConsumer:
         self._begun += 1
         left = max(1, self._total - self._begun + 1)
         # evaluate and each validation run are one epoch each: Keras (>= 3.7) starts the
-        # next such call with its reset's on_epoch_end (see loader._keras_epoch_end)
+        # next such call with its reset's on_epoch_end (see Reader.keras_epoch_end in kpipe/_reader.py)
         self.ends_call = left == 1 or self._each_a_call
         return left
 
@@ -232,13 +243,14 @@ def _make_adapter(base):
         def _loader(self):
             loader = self._kpipe_loader() if self._kpipe_loader is not None else None
             if loader is None:
-                from kpipe.errors import LoaderClosedError
-
                 raise LoaderClosedError(
                     "The ProcessLoader given to Keras was garbage collected: keep a reference to it "
                     "for as long as Keras iterates it (e.g. `loader = kpipe.ProcessLoader(...)`)."
                 )
             return loader
+
+        def _source(self):
+            return _stream.source_of(self._loader())
 
         def _get_iterator(self):
             if self._kpipe_loader is None:
@@ -246,36 +258,34 @@ def _make_adapter(base):
             return self._kpipe_stream()
 
         def _kpipe_stream(self):
-            from kpipe.loader import stream_batches
-
             consumer = self._kpipe_consumer
             # tf.data's prefetch reads ahead of Keras's steps: Keras's epoch end, which
             # knows what it took, completes the pass
-            for batch in stream_batches(self._kpipe_loader, consumer=consumer, confirm=True):
+            for batch in _stream.stream_batches(self._kpipe_loader, consumer=consumer, confirm=True):
                 consumer.consumed += 1  # (tf.data's prefetch takes them: Keras < 3.7)
                 yield self._standardize_batch(batch)
 
         def on_epoch_begin(self):
             if self._kpipe_loader is None:
                 return super().on_epoch_begin()
-            consumer, loader = self._kpipe_consumer, self._loader()
-            if loader._probing():  # Keras's symbolic build iterates an epoch for one batch
-                loader._keras_epoch_begin(consumer, probe=True)
+            consumer, source = self._kpipe_consumer, self._source()
+            if source.probing():  # Keras's symbolic build iterates an epoch for one batch
+                source.keras_epoch_begin(consumer, probe=True)
                 return
             left = consumer.begin_epoch()
-            loader._keras_epoch_begin(consumer, steps=consumer.steps, left=left)
+            source.keras_epoch_begin(consumer, steps=consumer.steps, left=left)
 
         def on_epoch_end(self):
             if self._kpipe_loader is None:
                 return super().on_epoch_end()
-            self._loader()._keras_epoch_end(self._kpipe_consumer)
+            self._source().keras_epoch_end(self._kpipe_consumer)
 
         def _kpipe_reset(self):
             """Keras (>= 3.7) dropped its iterator (`EpochIterator.reset`)."""
             if self._kpipe_loader is not None:
                 loader = self._kpipe_loader()
                 if loader is not None:
-                    loader._keras_reset(self._kpipe_consumer)
+                    _stream.source_of(loader).keras_reset(self._kpipe_consumer)
 
         def _kpipe_feed(self, strategy):
             """The iterator kpipe's epoch iterator gives Keras for one stream (see the
@@ -287,14 +297,8 @@ def _make_adapter(base):
             self._loader()  # a clear error when the loader is gone
             return Feed(self._kpipe_loader, self._standardize_batch, strategy, consumer=self._kpipe_consumer)
 
-        @contextlib.contextmanager
         def _kpipe_probe(self):
-            loader = self._loader()
-            loader._begin_probe()
-            try:
-                yield
-            finally:
-                loader._end_probe()
+            return self._source().probe()
 
         def get_tf_dataset(self):
             if self._kpipe_loader is None:
@@ -307,7 +311,8 @@ def _make_adapter(base):
             if self._output_signature is None:
                 n = loader.num_batches
                 count = 2 if n is None else min(2, n)
-                batches = [self._standardize_batch(loader._peek(i)) for i in range(count)]
+                source = _stream.source_of(loader)
+                batches = [self._standardize_batch(source.peek(i)) for i in range(count)]
                 self._output_signature = data_adapter_utils.get_tensor_spec(batches)
                 del batches
             ds = tf.data.Dataset.from_generator(self._get_iterator, output_signature=self._output_signature)
@@ -470,9 +475,7 @@ def _wrap_symbolic_build():
         probe = getattr(getattr(iterator, "data_adapter", None), "_kpipe_probe", None)
         if probe is None or getattr(iterator.data_adapter, "_kpipe_loader", None) is None:
             return original(self, *args, **kwargs)
-        loader = iterator.data_adapter._loader()
-        loader._keras_iterator = weakref.ref(iterator)  # BackupAndRestore aligns its step count
-        del loader
+        _ITERATORS[iterator.data_adapter._loader()] = weakref.ref(iterator)  # BackupAndRestore aligns its step count
         kept = getattr(iterator, "_current_iterator", None)
         try:
             with probe():

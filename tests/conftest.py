@@ -9,6 +9,15 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+def reader_of(loader):
+    """The parts behind a ProcessLoader (`kpipe._reader.Reader`: `.backend`, `.window`,
+    `.ahead`, `.position`), found through the stream protocol as kpipe's own readers find
+    them -- for tests that look at the engine a loader drives."""
+    from kpipe import _stream
+
+    return _stream.source_of(loader)
+
+
 def kpipe_children():
     """Live child processes of this process (kpipe workers among them)."""
     return [p for p in psutil.Process().children(recursive=True) if _alive(p)]

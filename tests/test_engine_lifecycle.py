@@ -245,7 +245,7 @@ def test_loader_on_epoch_end_with_a_stuck_worker_raises_within_the_timeout(no_le
     loader = kpipe.ProcessLoader(StuckWithBigState(hang_at=1), workers=2, timeout=60.0)  # start-up may be slow
     try:
         assert loader[0][0][0, 0] == 0  # batch 1 is now loading (and hangs) in worker 1
-        loader.timeout = loader._backend.timeout = 2.0  # the workers are up: the limit under test is on_epoch_end's
+        loader.timeout = 2.0  # the workers are up: the limit under test is on_epoch_end's
         with pytest.raises(kpipe.BatchTimeoutError, match=r"new state of `StuckWithBigState`"):
             loader.on_epoch_end()
     finally:

@@ -16,6 +16,7 @@ import kpipe
 from kpipe import _compat
 from _ahead_datasets import EXTERNAL, EditsInPlace, Grows, ReadsOutside, ReplacesArray, Reshuffles
 from _datasets import Stalls
+from conftest import reader_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -273,7 +274,7 @@ def test_a_ctrl_c_while_giving_the_workers_their_state_back_leaves_no_pool_in_do
     with kpipe.ProcessLoader(Reshuffles(n=10), workers=2, seed=4, shuffle=True, epoch_end_ahead=True) as loader:
         got = _read(loader, 1) + [loader[i].tolist() for i in range(8)]  # the copy's state is out
         pids = loader.stats()["pids"]
-        backend = loader._backend
+        backend = reader_of(loader).backend
         real = backend.reset_target
 
         def interrupted(*args, **kw):
@@ -306,9 +307,9 @@ def test_fifty_passes_ahead_hold_no_more_memory_or_descriptors_than_five(no_leak
 
     with kpipe.ProcessLoader(Reshuffles(n=6, big=True), workers=2, seed=6, epoch_end_ahead=True) as loader:
         _read(loader, 5)
-        fds, segments = memfd_count(), len(loader._backend.shared.entries)
+        fds, segments = memfd_count(), len(reader_of(loader).backend.shared.entries)
         _read(loader, 45)
-        assert memfd_count() <= fds and len(loader._backend.shared.entries) == segments == 1
+        assert memfd_count() <= fds and len(reader_of(loader).backend.shared.entries) == segments == 1
         stats = loader.stats()
     assert stats["ahead"]["kept"] >= 49 and stats["passes"] == 50 and stats["discards"] == 0
 
@@ -319,7 +320,7 @@ def test_a_ctrl_c_while_sending_the_state_at_a_pass_end_leaves_no_pool_in_doubt(
         plain = _read(loader, 3)
     with kpipe.ProcessLoader(Reshuffles(n=6), workers=2, seed=4) as loader:
         got = [loader[i].tolist() for i in range(6)]
-        backend, pids = loader._backend, loader.stats()["pids"]
+        backend, pids = reader_of(loader).backend, loader.stats()["pids"]
         real = backend.reset_target
 
         def interrupted(*args, **kw):
@@ -382,7 +383,7 @@ def test_loaders_dropped_unclosed_while_a_pass_loads_ahead_leave_nothing(no_leak
             loader.on_epoch_end()
         batches += [loader[i] for i in range(4)]
         # passes 1 and 2 were loaded ahead; pass 2 is all sent, so pass 3's state is out
-        assert loader._ahead is not None and loader.stats()["ahead"]["kept"] == 2
+        assert reader_of(loader).ahead.current is not None and loader.stats()["ahead"]["kept"] == 2
         held.append(batches)
         pids += loader.stats()["pids"]
     del loader, batches
@@ -408,10 +409,11 @@ _AHEAD_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import kpipe
     from _ahead_datasets import Reshuffles
+    from kpipe._stream import source_of as reader_of
 
     if __name__ == '__main__':
         loader = kpipe.ProcessLoader(Reshuffles(n=6, big=True, sleep_s=0.02), workers=2, epoch_end_ahead=True)
-        server = loader._backend._zygote  # the fork server, where there is one
+        server = reader_of(loader).backend._zygote  # the fork server, where there is one
         print('PIDS', *loader.stats()['pids'], *([server.pid] if server is not None else []), flush=True)
         for _ in range(2):
             for i in range(len(loader)):
@@ -419,7 +421,7 @@ _AHEAD_SCRIPT = textwrap.dedent(
             loader.on_epoch_end()
         for i in range(4):  # (max_queue_size 4): all of pass 2 is sent, then pass 3's state
             loader[i]
-        assert loader._ahead is not None and loader.stats()['ahead']['kept'] == 2
+        assert reader_of(loader).ahead.current is not None and loader.stats()['ahead']['kept'] == 2
         print('AHEAD', flush=True)
         if sys.argv[1] == 'exit':
             sys.exit(0)  # no close(), a pass loading ahead: interpreter exit must stop the workers

@@ -5,6 +5,7 @@ import pytest
 
 import kpipe
 from _datasets import BigArray, Info, Infinite, Reshuffling, Squares, Structured, serial
+from conftest import reader_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -71,7 +72,7 @@ def test_the_next_epoch_loads_ahead_only_without_epoch_hooks(kw, no_leaks):
             assert got == [int(ref[i][0][0, 0]) for i in range(steps)]
             if steps == 6:  # the pass ended with its last batch: the next one is loading
                 assert loader.epoch == epoch + 1
-                assert loader._queue and min(loader._queue) >= (epoch + 1, 0)
+                assert reader_of(loader).window.queue and min(reader_of(loader).window.queue) >= (epoch + 1, 0)
             loader.on_epoch_end()  # ends the pass cut short; a no-op after a full one
             ref.on_epoch_end()
             assert loader.epoch == ref.epoch == epoch + 1
@@ -80,11 +81,11 @@ def test_the_next_epoch_loads_ahead_only_without_epoch_hooks(kw, no_leaks):
     # new state reached the workers. kpipe calls no hook itself.
     with kpipe.ProcessLoader(Reshuffling(n=6, big=False), max_queue_size=4, **kw) as loader:
         first = [loader[i] for i in range(5)]
-        assert all(k[0] == 0 for k in loader._queue)
+        assert all(k[0] == 0 for k in reader_of(loader).window.queue)
         first.append(loader[5])  # the pass ends; the dataset's hook waits for the consumer
-        assert loader.dataset.epochs_seen == 0 and not loader._queue and loader.epoch == 1
+        assert loader.dataset.epochs_seen == 0 and not reader_of(loader).window.queue and loader.epoch == 1
         loader.on_epoch_end()  # runs the hook now; then pass 1 loads
-        assert loader.dataset.epochs_seen == 1 and min(loader._queue) == (1, 0)
+        assert loader.dataset.epochs_seen == 1 and min(reader_of(loader).window.queue) == (1, 0)
         assert all(int(b[1][0]) == 0 for b in first) and int(loader[0][1][0]) == 1
 
 
@@ -262,12 +263,12 @@ def test_multi_worker_tf_config_shards_by_default(monkeypatch):
 def test_max_queue_bytes_limits_batches_in_flight(no_leaks):
     ds = Squares(n=30, batch=256)  # 2 KiB per batch (two float32 leaves of 256)
     with kpipe.ProcessLoader(ds, workers=2, max_queue_size=10, max_queue_bytes=2048 * 3) as loader:
-        assert len(loader._queue) == 2  # one per worker until a batch size is known
+        assert len(reader_of(loader).window.queue) == 2  # one per worker until a batch size is known
         loader[0]
         assert loader.stats()["queue_depth"] == 3  # 6 KiB / 2 KiB per batch
         for i in range(1, 30):
             assert equal_batches(loader[i], ds[i])
-            assert len(loader._queue) <= 3
+            assert len(reader_of(loader).window.queue) <= 3
     with pytest.raises(ValueError, match="`max_queue_bytes` must be >= 1"):
         kpipe.ProcessLoader(ds, workers=0, max_queue_bytes=0)
 
@@ -280,7 +281,7 @@ def test_queue_deepens_only_when_a_worker_idles_behind_a_slow_batch(kw, no_leaks
         assert loader.stats()["queue_depth"] == 4  # two per worker
         # threads need no slots; processes start one batch per worker, each in a new slot,
         # and take a second slot only once one of them idles (test_slots_are_...)
-        assert len(loader._queue) == (4 if kw.get("use_threads") else 2)
+        assert len(reader_of(loader).window.queue) == (4 if kw.get("use_threads") else 2)
         assert all(equal_batches(loader[i], Squares(n=12)[i]) for i in range(12))
     # Every 4th batch takes 0.3 s: the other worker finishes its two batches and idles
     # while the consumer waits, so the loader allows more in flight -- up to the bound.
@@ -288,7 +289,7 @@ def test_queue_deepens_only_when_a_worker_idles_behind_a_slow_batch(kw, no_leaks
         got = []
         for i in range(16):
             got.append(int(loader[i][0, 0]))
-            assert len(loader._queue) <= 9
+            assert len(reader_of(loader).window.queue) <= 9
         assert got == list(range(16))
         assert 4 < loader.stats()["queue_depth"] <= 9
 
@@ -416,11 +417,11 @@ def test_a_worker_idle_behind_a_slots_first_use_prepares_a_slot_instead_of_deepe
     # Batches 0 and 4 take 0.3 s. Batch 0 is also its worker's first use of its slot (a
     # delay that does not recur): the other worker loads 1, 2 and 3 meanwhile, then idles.
     with kpipe.ProcessLoader(Stalls(n=8, every=4, stall_s=0.3), workers=2, max_queue_size=9) as loader:
-        backend = loader._backend
+        backend = reader_of(loader).backend
         assert int(loader[0][0, 0]) == 0
         assert loader.stats()["queue_depth"] == 4  # not deepened ...
         assert len(backend._slots) == 5  # ... the idle worker made the slot the window needs,
-        assert not backend.is_first_use(loader._queue[(0, 4)].seq)  # and batch 4 is not a first use
+        assert not backend.is_first_use(reader_of(loader).window.queue[(0, 4)].seq)  # and batch 4 is not a first use
         # batch 4 is slow again, in a slot its worker has written before: deepening helps
         assert [int(loader[i][0, 0]) for i in range(1, 8)] == list(range(1, 8))
         assert loader.stats()["queue_depth"] > 4
@@ -472,23 +473,23 @@ def test_workers_report_what_a_new_slot_cost_them(no_leaks):
 def test_the_window_deepens_only_once_workers_idled_longer_than_its_new_slots_cost(price_s, deepens, no_leaks):
     """Rent before buying: each batch in flight holds a slot, and a new slot costs its
     worker a one-time set-up, so the window deepens only once workers have idled behind
-    slow batches for longer than the slots it would add cost (see ProcessLoader._starved)."""
+    slow batches for longer than the slots it would add cost (see kpipe/_engine/_window.py: deepen, Window.starved)."""
     from _datasets import Stalls
 
     # Every 4th batch takes 0.5 s: the other worker idles behind it for about that long.
     with kpipe.ProcessLoader(Stalls(n=32, every=4, stall_s=0.5), workers=2, max_queue_size=9) as loader:
-        backend = loader._backend
+        backend = reader_of(loader).backend
         backend.slot_setup_s = lambda nbytes=None: price_s  # a slot of this price: 2 workers x price_s per step
         got = [int(loader[i][0, 0]) for i in range(8)]  # two stalls: 0 (a first use, never counted) and 4
         assert loader.stats()["queue_depth"] == 4  # one wait behind a slow batch (<= 0.5 s) pays for neither
-        assert loader._idle_behind_s <= 0.6  # (0 if batch 4 was its worker's first use of its slot)
+        assert reader_of(loader).window.idle_behind_s <= 0.6  # (0 if batch 4 was its worker's first use of its slot)
         got += [int(loader[i][0, 0]) for i in range(8, 32)]
         assert got == list(range(32))
         if deepens:  # 7 more waits of ~0.5 s: from the second one counted on, the idle time paid for 0.7 s
             assert loader.stats()["queue_depth"] > 4
         else:
             assert loader.stats()["queue_depth"] == 4
-            assert loader._idle_behind_s > 0.7  # idle behind slow batches, though not enough to buy slots
+            assert reader_of(loader).window.idle_behind_s > 0.7  # idle behind slow batches, though not enough to buy slots
             assert len(backend._slots) <= 5  # the window's 4, and the one the consumer holds
 
 
@@ -497,7 +498,7 @@ def test_slots_are_made_for_idle_workers_only(no_leaks):
     in flight has a slot, plus the one it holds -- never one more (a slot for a batch that
     would only queue behind a busy worker waits for the consumer to release one)."""
     with kpipe.ProcessLoader(Squares(n=40), workers=2) as loader:
-        slots = loader._backend._slots
+        slots = reader_of(loader).backend._slots
         for epoch in range(3):
             for i in range(len(loader)):
                 x, y = loader[i]  # the previous x, y are dropped only now

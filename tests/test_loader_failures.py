@@ -73,7 +73,7 @@ def test_dead_worker_raises_naming_worker_pid_code_and_batch(how, pattern, start
 def test_hanging_batch_times_out_and_close_returns(start_method, no_leaks):
     loader = kpipe.ProcessLoader(Failing("hang", bad=1), workers=2, timeout=60, start_method=start_method)
     loader[0]  # the workers' start-up, which a loaded machine may make slow, is behind us
-    loader.timeout = loader._backend.timeout = 1.5  # the limit under test: batch 1's
+    loader.timeout = 1.5  # the limit under test: batch 1's
     t0 = time.monotonic()
     with pytest.raises(kpipe.BatchTimeoutError, match=r"Batch 1 of `Failing` did not arrive within timeout=1.5"):
         loader[1]

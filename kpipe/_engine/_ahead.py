@@ -41,11 +41,13 @@ prints twice; files it writes, it writes twice).
 Anything that reads or loads pass p after the copy went out (a stream replaying the
 pass, a probe, `set_epoch`, `restore`) or reads pass p+1 before the real hook ran first
 drops the batches loaded ahead and sends the workers the dataset's real state
-(`ProcessLoader._cancel_ahead`); a new worker pool (after a failure) starts from the
-real state.
+(`Reader.cancel_ahead` in `kpipe/_reader.py`); a new worker pool (after a failure) starts
+from the real state. `LoadAhead` below keeps one loader's part of this: whether to try,
+the pass loaded ahead, and the counts.
 """
 
 import dataclasses
+import logging
 import random
 
 import numpy as np
@@ -53,6 +55,7 @@ import numpy as np
 from kpipe._engine import _pickling
 
 MISSES_OFF = 2  # misses in a row after which a loader stops loading ahead
+logger = logging.getLogger("kpipe")
 
 
 class NotAhead(Exception):
@@ -153,3 +156,85 @@ def run_hook_on_copy(payload, shared, *, call_hooks, num_batches, what):
             raise exc.__cause__ from None
         raise NotAhead(f"the copy could not be pickled: {type(exc).__name__}: {exc}") from None
     return out, sorted(keys), n
+
+
+class LoadAhead:
+    """One loader's `epoch_end_ahead` bookkeeping (see the NOTE): whether to try, the pass
+    loaded ahead now (`current`), and the counts `stats()["ahead"]` shows. Its owner moves
+    the batches and the workers' state; this decides and records. Not thread-safe.
+
+    Args:
+        requested: `epoch_end_ahead` was asked for.
+        stateful: The dataset has epoch hooks (otherwise passes load ahead anyway).
+        in_process: Batches load in this process (threads, `workers=0`): nothing to send.
+        name: The dataset's name, for messages.
+        call_hooks: `call_hooks(dataset)` runs what a pass end runs.
+        num_batches: `num_batches(dataset)` reads its length.
+    """
+
+    def __init__(self, requested, *, stateful, in_process, name, call_hooks, num_batches):
+        self.requested = requested
+        self.name = name
+        self._call_hooks = call_hooks
+        self._num_batches = num_batches
+        self.current = None  # the next pass's state sent ahead of the hook (`Ahead`)
+        self.stats = None
+        if requested:
+            off = None
+            if not stateful:
+                off = f"`{name}` has no on_epoch_end/on_epoch_begin: passes load ahead anyway"
+            elif in_process:
+                off = "batches load in this process (workers=0 or use_threads=True): only worker processes load ahead"
+            self.stats = {"kept": 0, "missed": 0, "skipped": 0, "off": off, "last_reason": None}
+        self.tried = None  # the pass whose end was last tried
+        self._fails = 0  # misses and skips in a row
+
+    def may_try(self, pass_):
+        """Whether to try loading the pass after `pass_` ahead now."""
+        return self.requested and self.stats["off"] is None and self.current is None and self.tried != pass_
+
+    def start(self, pass_, backend):
+        """Runs the hooks on a copy of the state the workers of `backend` hold; returns
+        the `Ahead` for pass `pass_` (now `current`), or None where the copy cannot stand
+        for the real hook (counted as skipped)."""
+        self.tried = pass_ - 1
+        payload, keys = backend.current_state()
+        try:
+            if payload is None:
+                raise NotAhead("the workers' state is not kept")
+            out, out_keys, n = run_hook_on_copy(payload, backend.shared, call_hooks=self._call_hooks,
+                                                num_batches=self._num_batches, what=f"`{self.name}`")
+            if out_keys != keys:  # (both sorted)
+                raise NotAhead("on_epoch_end drops a shared array")
+            if n is None:
+                raise NotAhead("the dataset becomes infinite")
+        except NotAhead as exc:
+            self.failed("skipped", str(exc))
+            return None
+        self.current = Ahead(pass_, out, out_keys, n, payload, keys)
+        return self.current
+
+    def kept(self, ahead, payload, keys, rewrote, n):
+        """Whether the batches loaded ahead from `ahead` stand: the dataset, after its real
+        hooks, pickles to `payload` (with shared `keys`; `rewrote`: it edited a shared
+        array in place) and has `n` batches -- exactly the copy's."""
+        if payload == ahead.payload and keys == ahead.keys and not rewrote and n == ahead.num_batches:
+            self.stats["kept"] += 1
+            self._fails = 0
+            return True
+        why = ("on_epoch_end edited a shared array in place" if rewrote else
+               f"the length became {n}, not {ahead.num_batches}" if n != ahead.num_batches else
+               "the dataset's state after on_epoch_end differs from the copy's")
+        self.failed("missed", why)
+        return False
+
+    def failed(self, kind, reason):
+        stats = self.stats
+        stats[kind] += 1
+        stats["last_reason"] = reason
+        self._fails += 1
+        logger.debug("ProcessLoader(%s): pass not loaded ahead of on_epoch_end (%s): %s", self.name, kind, reason)
+        if self._fails >= MISSES_OFF:
+            stats["off"] = f"{self._fails} passes in a row could not load ahead; the last: {reason}"
+            logger.info("ProcessLoader(%s, epoch_end_ahead=True): no longer loading ahead of on_epoch_end: %s",
+                        self.name, stats["off"])

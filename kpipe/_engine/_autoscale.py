@@ -1,9 +1,9 @@
 """`workers="auto"`: how many workers a loader runs, chosen from measured timings.
 
 Pure logic, no I/O except `cpu_limit()` (which reads the affinity mask and cgroup
-files): `AutoScaler.observe(sample)` takes cumulative counters read by the caller
-(`ProcessLoader`) and returns a `Decision` or None; the caller starts or retires the
-workers. Tested with a fake clock and scripted timings (tests/test_autoscale.py).
+files): `AutoScaler.observe(sample)` takes cumulative counters read by the caller and
+returns a `Decision` or None; the caller (`AutoscaleDriver`, for a loader) starts or
+retires the workers. Tested with a fake clock and scripted timings (tests/test_autoscale.py).
 
 NOTE [ How the worker count is chosen ]
 ---------------------------------------
@@ -55,8 +55,10 @@ per-batch seeds are keyed on (seed, pass, position)), so changing it changes no 
 """
 
 import dataclasses
+import logging
 import math
 import os
+import time
 
 WAIT_ADD = 0.05  # consumer wait share from which workers are added (below: may retire)
 PATIENCE = 2
@@ -65,6 +67,7 @@ GROWTH = 8  # at most x8 workers per decision
 WORKERS_PER_CPU = 8  # the hard cap for I/O-bound work, per CPU of the limit ...
 MAX_WORKERS = 64  # ... and overall
 MAX_STOLEN = 0.9  # a stolen share read above this (10 ms ticks over a short window) is noise
+logger = logging.getLogger("kpipe")
 
 
 def max_workers_for(limit):
@@ -376,3 +379,81 @@ class CpuClock:
             stolen += steal
             busy += user + nice + system + irq + softirq  # guest time is in user already
         return stolen * self._tick, busy * self._tick
+
+
+class AutoscaleDriver:
+    """The thin caller around `AutoScaler` for one loader's `workers="auto"`: reads the
+    counters (at every batch during the first window, then at most every `read_s`),
+    feeds the controller, and adds or retires the backend's workers as it decides.
+    Not thread-safe (the loader's lock).
+
+    Args:
+        max_queue_size: The loader's `max_queue_size`, if given (workers beyond the
+            batches in flight would idle). Defaults to None.
+        read_s: Shortest time between readings. Defaults to 0.02.
+    """
+
+    def __init__(self, max_queue_size=None, *, read_s=0.02):
+        limit = cpu_limit()
+        self.max_workers = max_workers_for(limit)
+        if max_queue_size is not None:
+            self.max_workers = min(self.max_workers, max_queue_size)
+        self.cpu_limit = limit
+        self.start_workers = min(start_workers_for(limit), self.max_workers)
+        self.default_max_queue_size = max_queue_size or max(4, 2 * self.max_workers)
+        self._scaler = AutoScaler(limit, self.max_workers)
+        self._clock = CpuClock()
+        self._read_s = read_s
+        self._next = 0.0
+
+    @staticmethod
+    def check_arguments(start_method, use_threads):
+        """Refuses what `workers="auto"` cannot run with (before other arguments are read)."""
+        if use_threads:
+            raise ValueError(
+                "`workers='auto'` runs worker processes; it cannot size a thread pool. Received: "
+                "workers='auto', use_threads=True. Pass a number of threads, e.g. workers=8, use_threads=True."
+            )
+        if start_method == "fork":
+            raise ValueError(
+                "`workers='auto'` starts workers during training, once TensorFlow is loaded, where "
+                "forking deadlocks (keras-team/keras#11461). Received: workers='auto', start_method='fork'. "
+                "Use start_method='forkserver' (the default) or 'spawn'."
+            )
+
+    def reset(self):
+        """The workers (re)started: the first window opens now."""
+        self._scaler.reset()
+
+    def tick(self, backend, *, consumed, wait_s, t0, name):
+        """Reads the counters if due and applies the controller's decision to `backend`.
+        Returns the decision's record (`stats()["auto_decisions"]`: its figures, `t`
+        seconds since `t0`, and `error` if the workers could not be changed), or None."""
+        now = time.perf_counter()
+        if now < self._next and not self._scaler.in_first_window:
+            return None
+        self._next = now + self._read_s
+        done, busy, cpu, runq = backend.timings
+        stolen, cpus_busy = self._clock()
+        decision = self._scaler.observe(Sample(
+            t=now, workers=backend.num_workers, consumed=consumed, wait_s=wait_s,
+            main_cpu_s=time.process_time(), done=done, busy_s=busy, cpu_s=cpu, runq_s=runq,
+            stolen_s=stolen, cpus_busy_s=cpus_busy,
+        ))
+        if decision is None:
+            return None
+        record = dict(decision.as_dict(), t=round(now - t0, 3))
+        try:
+            if decision.workers_to > decision.workers_from:
+                backend.add_worker(decision.workers_to - decision.workers_from)
+            else:
+                for _ in range(decision.workers_from - decision.workers_to):
+                    backend.retire_worker()
+        except Exception as exc:  # the batch in hand is fine; a broken pool restarts on next use
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            logger.warning("ProcessLoader(%s, workers='auto'): could not change the worker count %d -> %d: %s",
+                           name, decision.workers_from, decision.workers_to, record["error"])
+        if not backend.closed:
+            logger.info("ProcessLoader(%s, workers='auto'): %d -> %d workers: %s",
+                        name, decision.workers_from, backend.num_workers, decision.reason)
+        return record

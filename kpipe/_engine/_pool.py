@@ -1,11 +1,8 @@
 """Main-process side of the engine: backends that run `target[key]` (or `target(inputs)`).
 
-Three backends share one small interface -- `submit(key, inputs=None) -> seq`,
-`get(seq) -> (tree, treedef, meta)`, `discard(seq)`, `reset_target(target)`, `close()`:
-
-* `ProcessBackend`: persistent worker processes, batches in shared-memory slots.
-* `ThreadBackend`: a thread pool, for I/O-bound work that releases the GIL.
-* `InlineBackend`: runs in the calling thread (`workers=0`).
+`ProcessBackend`: persistent worker processes, batches in shared-memory slots -- the
+backend protocol of `_backend.py` with every capability (`ThreadBackend` and
+`InlineBackend`, in `_local.py`, have none).
 
 NOTE [ kpipe worker shutdown and slot lifecycle ]
 ------------------------------------------------
@@ -34,8 +31,8 @@ of its pages (in the worker that grows it, with one fallocate: ~0.65 ms per MB, 
 times that on a virtual machine that has handed the freed memory back to its host) and
 each further process's mapping of them (~0.12 ms per MB for a worker, ~0.06 for the
 consumer's reads; `python scripts/bench_shm.py`). So the owner decides how many tasks are
-in flight and when a task may take a new slot (`ProcessLoader`, see `_fill` and `_starved`
-in `kpipe/loader.py`):
+in flight and when a task may take a new slot (the loader's window, see `fill` and
+`starved` in `kpipe/_engine/_window.py`):
   * up to a window: two per worker, deeper (up to `max_queue_size`) when `get(seq,
     on_starved=...)` reports a worker idle behind a slow batch -- unless that batch is its
     worker's first use of its slot (`is_first_use`), a delay that does not recur -- and
@@ -72,18 +69,6 @@ A new target version without a wait (`send_state`, for `epoch_end_ahead=True`): 
 version; tasks submitted after it run on the new one (a worker handles its messages in
 order). It may hold only the shared arrays the workers already map.
 
-Changing the worker count (`workers="auto"`): `add_worker` forks new workers from the
-fork server (or spawns them), gives them the target's current state (a `state` message
-when `reset_target` ran since the server unpickled it) and puts them before the server
-in `_procs`; they take tasks at once. `retire_worker` marks the worker with the highest
-id `retiring`: it gets no new task, and once its pending tasks are answered it is sent
-`stop` (`stopped`); its EOF is then no death, and it is reaped without waiting
-(`_reap_retired`, or by `shutdown` like every other worker). Ids stay unique among the
-processes alive; a new worker takes the lowest free one. Both re-divide the CPUs among
-the workers taking tasks (`_rebudget`): each running worker gets a `threads` message with
-its new thread budget before new workers start (which start with it), and after one
-retires (NOTE in `_threads.py`).
-
 Failures: every wait is a `poll` on the worker sockets and process sentinels with a
 deadline (one poll set, kept while the workers stay the same), and so is every write:
 messages go out non-blocking, waiting for room in the socket with `poll` (`_wire.send`),
@@ -105,41 +90,25 @@ without waiting for socket room; join each for up to `_procs.JOIN_TIMEOUT_S`; SI
 still running (a stuck `__getitem__`), then SIGKILL after `_procs.KILL_TIMEOUT_S`; reap every
 child; close sockets and sentinels. No step can raise.
 
-Parent death: workers ignore SIGINT (Ctrl-C reaches the whole process group; the main
-process decides) and must not outlive the main process, however it dies. Each worker
-and the fork server ask the kernel for SIGKILL when their parent dies
-(PR_SET_PDEATHSIG); forkserver workers ask it of the fork server, which asks it of the
-main process. The kernel's "parent" is the *thread* that forked the child, so processes
-are started from the main thread, or from kpipe's daemon spawner thread that lives as
-long as the process (`_procs.start_process`) -- never from a short-lived thread, whose end
-would kill them. A watchdog thread in each worker also checks `os.getppid()` every
-`_worker._PARENT_POLL_S` (for systems without prctl), and workers exit when their socket
-reaches EOF. Shared memory is anonymous (memfd): it cannot outlive the processes that
-map it.
 """
 
 import collections
-import concurrent.futures
 import itertools
 import math
-import os
 import select
 import sys
-import threading
-import time
 import weakref
-from multiprocessing import connection as mp_connection
 
-from kpipe._engine import _autoscale, _pickling, _procs, _threads, _tree, _wire
-from kpipe._engine import worker_info as _wi
+from kpipe._engine import _pickling, _procs, _tree, _wire
+from kpipe._engine._backend import Backend
+from kpipe._engine._workerset import WorkerSet
 from kpipe._engine._shm import SlotPool, fd_limit_error, is_fd_exhaustion, plan_layout, raise_fd_limit, take_interrupt
 from kpipe._engine._procs import WORKER_ENV as _WORKER_ENV  # noqa: F401 (scripts/bench_loaders.py)
 from kpipe._engine._procs import describe_exit
-from kpipe._engine._worker import pack_exception
+from kpipe._engine._worker import pack_exception, rebuild_exception
 from kpipe.errors import (
     BatchTimeoutError,
     LoaderClosedError,
-    LoaderError,
     WorkerDiedError,
 )
 
@@ -154,47 +123,11 @@ _PREPARE = "prepare"  # in a worker's `pending`: it allocates a slot (`prepare_s
 _POLL_MAX_MS = 2**31 - 1  # poll()'s longest wait; a longer timeout waits again
 
 
-class _KeyErrorMessage(str):
-    """KeyError repr-quotes its message; this keeps the traceback readable (as PyTorch does)."""
-
-    def __repr__(self):
-        return self
-
-
-def rebuild_exception(packed, where):
-    """An exception of the worker's type whose message adds `where` and the worker traceback."""
-    msg = (
-        f"{packed['message']}\n\n[kpipe] Caught {packed['name']} {where}.\n"
-        f"Original traceback from the worker:\n{packed['traceback']}"
-    )
-    exc_type = None
-    if packed.get("type"):
-        try:
-            import cloudpickle
-
-            exc_type = cloudpickle.loads(packed["type"])
-        except Exception:
-            exc_type = None
-    exc = None
-    if isinstance(exc_type, type) and issubclass(exc_type, BaseException):
-        try:
-            exc = exc_type(_KeyErrorMessage(msg) if issubclass(exc_type, KeyError) else msg)
-        except Exception:
-            exc = None
-    if exc is None:
-        exc = LoaderError(msg)
-    exc.worker_traceback = packed["traceback"]
-    return exc
-
-
-def _idles(proc):
-    """Whether live worker `proc` has no task (nor other message) pending."""
-    return not proc.pending and proc.dead_error is None
-
-
-class ProcessBackend:
+class ProcessBackend(WorkerSet, Backend):
     """Runs `target[key]` (mode "dataset") or `target(inputs)` (mode "function") in worker
     processes. Used from one thread at a time."""
+
+    keeps_copy = has_slots = can_send_state = can_resize = thread_budget = True
 
     def __init__(self, target, *, num_workers, mode, start_method, timeout, seed, name, keep_idle, max_workers=None,
                  keep_payload=False, worker_threads=None):
@@ -213,28 +146,18 @@ class ProcessBackend:
         self.name = name
         self.timeout = timeout  # seconds; None or inf: no limit
         self._mode = mode
-        # Threads per worker for its native pools (see the NOTE in _threads.py): fixed, or
-        # max(1, CPUs // workers), sent again when the worker count changes.
-        self._threads_fixed = _threads.check(worker_threads)
-        self._cpu_limit = _autoscale.cpu_limit()
-        self._threads = _threads.budget(self._cpu_limit, num_workers, self._threads_fixed)
+        self._init_workers(num_workers=num_workers, max_workers=max_workers, start_method=start_method, seed=seed,
+                           worker_threads=worker_threads)
         raise_fd_limit()  # once per process: one descriptor per live slot adds up
         self._slots = SlotPool(keep_idle=keep_idle)
         self._shared = _pickling.SharedArrays()
-        self._procs = []
         self._poll_key, self._poller, self._poll_owners = None, None, {}  # see _poll_set
         self._finalizer = weakref.finalize(self, _procs.shutdown, self._procs, self._slots, self._shared)
         self._results = {}
         self._tasks = {}
         self._discarded = set()
         self._seq = itertools.count()
-        self._exit_codes = {}
-        self._zygote = None
         self.closed = False
-        self._seed = seed
-        self._start_method = start_method
-        self._info_workers = max(num_workers, max_workers or 0)  # WorkerInfo.num_workers
-        self._growable = self._info_workers > num_workers  # keeps the pickled target for new workers
         self._keep_payload = keep_payload  # ... or for `current_state` (loading ahead)
         self._payload = self._keys = self._zygote_keys = None
         # keep_payload: state_fingerprint of the target the workers hold (None: unknown)
@@ -245,11 +168,7 @@ class ProcessBackend:
         self._slot_bytes = 0  # slot bytes the last batch used
         try:
             if start_method == "forkserver":
-                # Start the server first: its interpreter and imports (~0.2 s) overlap
-                # with pickling the dataset here.
-                self._zygote = _procs.start_process(_procs.spawn_exec, -1, os.getpid(), "_zygote_main", self._threads)
-                self._zygote.is_zygote = True
-                self._procs.append(self._zygote)  # last in the list: stopped after the workers
+                self._start_server()
             payload, keys = _pickling.dumps(target, self._shared, what=f"`{name}`")
             keys = sorted(keys)
             self._payload, self._keys = payload, keys
@@ -266,70 +185,6 @@ class ProcessBackend:
                 raise fd_limit_error(exc, f"start the workers of `{name}`") from exc
             raise
 
-    def _start_forked(self, num_workers, seed, mode, payload, keys):
-        """Sends the fork server its target, then has it fork every worker (ms each)."""
-        zygote = self._zygote
-        cfg = {"mode": mode, "sys_path": [p for p in sys.path if p], "payload": payload, "array_keys": keys,
-               "threads": self._threads}
-        deadline = _wire.deadline_after(self.timeout)
-        self._send(zygote, ("init", cfg), [self._shared.fd(k) for k in keys], deadline)
-        self._zygote_keys = keys
-        self._fork_workers(list(range(num_workers)), deadline)
-
-    def _fork_workers(self, ids, deadline):
-        """Has the fork server fork workers `ids`; they go before it in `_procs`."""
-        from multiprocessing.connection import Connection
-
-        zygote = self._zygote
-        for wid in ids:
-            self._send(zygote, ("fork", wid, self._info_workers, _wi.derive_seed(self._seed, wid), self._threads), (), deadline)
-        workers = []
-        while len(workers) < len(ids):
-            msg = self._recv_zygote(deadline)
-            if msg[0] == "forked":
-                _, wid, pid = msg
-                fd = _wire.recv_fds(zygote.conn, 1)[0]
-                sentinel = None
-                if hasattr(os, "pidfd_open"):
-                    try:
-                        sentinel = os.pidfd_open(pid)
-                    except OSError:
-                        sentinel = None
-                proc = _procs.Proc(wid, Connection(fd), pid, _procs.ZygoteChild(pid, zygote.conn, self._exit_codes), sentinel)
-                proc.array_keys = set(self._zygote_keys)
-                workers.append(proc)
-        workers.sort(key=lambda p: p.id)
-        at = len(self._workers)
-        self._procs[at:at] = workers  # before the server
-        if self._reset_since_fork:  # they hold the server's (older) target: send the current one
-            for proc in workers:
-                self._send_state(proc, deadline)
-
-    def _spawn_workers(self, ids):
-        """Starts workers `ids` as fresh interpreters and sends each the current target."""
-        procs = []
-        for wid in ids:  # all start at once; each reads its init when up
-            if self._start_method == "spawn":
-                proc = _procs.start_process(_procs.spawn_exec, wid, os.getpid(), "_exec_main", self._threads)
-            else:
-                proc = _procs.start_process(_procs.spawn_fork, wid, os.getpid())
-            procs.append(proc)
-            self._procs.insert(len(self._workers), proc)
-        deadline = _wire.deadline_after(self.timeout)
-        for proc in procs:
-            cfg = {
-                "worker_id": proc.id,
-                "num_workers": self._info_workers,
-                "seed": _wi.derive_seed(self._seed, proc.id),
-                "mode": self._mode,
-                "sys_path": [p for p in sys.path if p],
-                "payload": self._payload,
-                "array_keys": self._keys,
-                "threads": self._threads,
-            }
-            self._send(proc, ("init", cfg), [self._shared.fd(k) for k in self._keys], deadline)
-            proc.array_keys = set(self._keys)
-
     def _forget_payload(self):
         if not (self._growable or self._keep_payload):  # no one needs the pickled copy again
             self._payload = None
@@ -341,147 +196,6 @@ class ProcessBackend:
         self._send(proc, ("state", self._payload, new, drop), [self._shared.fd(k) for k in new], deadline)
         proc.array_keys = set(self._keys)
 
-    # ------------------------------------------------- changing the worker count
-    def add_worker(self, count=1):
-        """Starts `count` more workers (forked by the fork server, or spawned); they
-        take tasks at once. Returns their ids.
-
-        Raises:
-            LoaderError: with `start_method="fork"` once TensorFlow is loaded.
-            WorkerDiedError, BatchTimeoutError: the fork server died or did not answer
-                within `timeout` (the pool is then closed, as for any fatal failure).
-        """
-        self._check_open()
-        self._reap_retired()
-        if not self._growable or len(self._active) + count > self._info_workers:
-            raise ValueError(
-                f"Cannot run more than max_workers={self._info_workers} workers for `{self.name}`. "
-                f"Received: count={count} with {len(self._active)} running."
-            )
-        if self._start_method == "fork" and ("tensorflow" in sys.modules or "jax" in sys.modules):
-            raise LoaderError(
-                f"Cannot add workers to `{self.name}`: start_method='fork' is unsafe once TensorFlow is "
-                "loaded (keras-team/keras#11461). Use start_method='forkserver' (the default) or 'spawn'."
-            )
-        used = {p.id for p in self._workers}
-        ids = [i for i in range(len(used) + count) if i not in used][:count]
-        try:
-            self._rebudget(len(self._active) + count)  # the running workers first: fewer threads each
-            if self._zygote is not None:
-                self._fork_workers(ids, _wire.deadline_after(self.timeout))
-            else:
-                self._spawn_workers(ids)
-        except BaseException as exc:
-            if is_fd_exhaustion(exc):
-                self.close(force=True)
-                raise fd_limit_error(exc, f"start more workers for `{self.name}`") from exc
-            raise
-        return ids
-
-    def retire_worker(self):
-        """Retires the live worker with the highest id: it takes no new task and stops once
-        its pending tasks are answered (their batches are delivered as usual). Returns its
-        id, or None when only one live worker is left."""
-        self._check_open()
-        self._reap_retired()
-        live = [p for p in self._active if p.dead_error is None]
-        if len(live) <= 1:
-            return None
-        proc = max(live, key=lambda p: p.id)
-        proc.retiring = True
-        self._stop_if_idle(proc)
-        self._rebudget(len(self._active))  # the ones left may use more threads
-        return proc.id
-
-    # ------------------------------------------------------------- thread budget
-    @property
-    def worker_threads(self):
-        """Threads each worker's native pools may use now (see `_threads.py`)."""
-        return self._threads
-
-    def thread_pools(self):
-        """What the budget set in each worker taking tasks, as it last reported (workers
-        report after starting and after each change): a list, by worker id, of
-        `{"worker", "pid", "threads", "pools", "not_limited"}` -- `pools` one entry per
-        library (`library`, `api`, `file`, `threads`, and `max_threads` where the library
-        is built for fewer threads than the budget), `not_limited` what stays above the
-        budget and why. A worker that has not reported yet shows `threads` None."""
-        out = []
-        for p in sorted(self._active, key=lambda p: p.id):
-            report = p.pools or {"threads": None, "pools": [], "not_limited": []}
-            out.append({"worker": p.id, "pid": p.pid, **report})
-        return out
-
-    def _rebudget(self, workers):
-        """Sends every worker taking tasks the budget for `workers` workers, if it changed
-        (without waiting: it applies between tasks). A worker found dead keeps the error
-        for `get`, as with a task."""
-        threads = _threads.budget(self._cpu_limit, workers, self._threads_fixed)
-        if threads == self._threads:
-            return
-        self._threads = threads
-        deadline = _wire.deadline_after(self.timeout)
-        for proc in self._active:
-            if proc.dead_error is None:
-                self._send(proc, ("threads", threads), (), deadline, defer=True)
-
-    def _stop_if_idle(self, proc):
-        if proc.retiring and not proc.stopped and not proc.pending:
-            proc.stopped = True
-            try:  # never waits: an idle worker reads its socket
-                _wire.send(proc.conn, ("stop",), (), time.monotonic())
-            except BaseException:
-                proc.signal(15)  # SIGTERM; it is reaped like any stopped worker
-
-    def _reap_retired(self):
-        """Forgets stopped workers whose exit is known (never waits)."""
-        for proc in [p for p in self._procs if p.stopped and not p.alive]:
-            if _procs.has_exited(proc):
-                proc.release()
-                self._procs.remove(proc)
-
-    def _recv_zygote(self, deadline):
-        zygote = self._zygote
-        while True:
-            remaining = _wire.remaining(deadline)
-            if remaining is not None and remaining <= 0:
-                self._fail(BatchTimeoutError(f"kpipe's fork server did not start the workers of `{self.name}` within timeout={self.timeout} s."))
-            ready = mp_connection.wait([zygote.conn] + ([zygote.sentinel] if zygote.sentinel is not None else []), remaining)
-            if zygote.conn in ready:
-                try:
-                    msg = zygote.conn.recv()
-                except (EOFError, OSError):
-                    self._fail(self._died(zygote))
-                if msg[0] == "init-error":
-                    self._fail(rebuild_exception(msg[1], f"in kpipe's fork server (pid {zygote.pid}) while unpickling `{self.name}`"))
-                if msg[0] == "exited":
-                    self._exit_codes[msg[1]] = msg[2]
-                    continue
-                if msg[0] == "ready":
-                    continue
-                return msg
-            if ready:
-                self._fail(self._died(zygote))
-
-    @property
-    def _workers(self):
-        """Every worker process not yet reaped (retiring ones included)."""
-        return [p for p in self._procs if not getattr(p, "is_zygote", False)]
-
-    @property
-    def _active(self):
-        """The workers that take tasks (not retiring)."""
-        return [p for p in self._procs if not p.retiring and not getattr(p, "is_zygote", False)]
-
-    @property
-    def num_workers(self):
-        """Workers that take tasks now."""
-        return len(self._active)
-
-    @property
-    def pids(self):
-        return [p.pid for p in self._active]
-
     def needs_new_slot(self, for_idle_worker=True):
         """Whether a task submitted now would need a new slot, none being free, although
         every live worker is busy (or, with `for_idle_worker=False`, even if one idles).
@@ -489,10 +203,6 @@ class ProcessBackend:
         if self._slots.has_free():
             return False
         return not (for_idle_worker and self._a_worker_idles())
-
-    def _a_worker_idles(self):
-        """Whether a live worker that takes tasks has none."""
-        return any(map(_idles, self._active))
 
     def slots_held(self):
         """Slots whose batches the consumer holds: handed out by `get`, not released."""
@@ -525,10 +235,6 @@ class ProcessBackend:
         """The mean time a worker took per batch so far (0.0 before the first)."""
         done, busy = self.timings[0], self.timings[1]
         return busy / done if done else 0.0
-
-    def idle_workers(self):
-        """How many live workers that take tasks have none."""
-        return sum(map(_idles, self._active))
 
     def is_first_use(self, seq):
         """Whether task `seq` is its worker's first use of its slot."""
@@ -982,133 +688,4 @@ def _load(proc, free=frozenset()):
     return len(proc.pending), free.isdisjoint(proc.known_slots), proc.last_task, proc.id
 
 
-class ThreadBackend:
-    """Runs `target[key]` in a thread pool: for I/O-bound work that releases the GIL."""
-
-    def __init__(self, target, *, num_workers, mode, timeout, seed, name):
-        self.name = name
-        self.timeout = timeout
-        self._target = target
-        self._mode = mode
-        ids = itertools.count()
-        lock = threading.Lock()
-
-        def init():
-            with lock:
-                wid = next(ids)
-            _wi._set_thread(
-                _wi.WorkerInfo(id=wid, num_workers=num_workers, seed=_wi.derive_seed(seed, wid), pid=os.getpid(), mode="thread")
-            )
-
-        self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="kpipe", initializer=init)
-        self._num_workers = num_workers
-        self._futures = {}
-        self._seq = itertools.count()
-        self.closed = False
-        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
-
-    pids = property(lambda self: [])
-
-    def _run(self, key, inputs):
-        return _in_process_result(self._target[key] if self._mode == "dataset" else self._target(inputs))
-
-    def submit(self, key, inputs=None, seed=None):  # threads share the process's RNGs: no reseeding
-        if self.closed:
-            raise LoaderClosedError(f"The thread pool of `{self.name}` is closed.")
-        seq = next(self._seq)
-        self._futures[seq] = (key, self._pool.submit(self._run, key, inputs))
-        return seq
-
-    def get(self, seq, on_starved=None):
-        key, fut = self._futures.pop(seq)
-        deadline = _wire.deadline_after(self.timeout)  # None: no limit
-        while on_starved is not None and not fut.done():
-            # Wake at each completion: has a thread run out of work while `fut` loads?
-            others = [f for _, f in self._futures.values() if not f.done()]
-            concurrent.futures.wait([fut] + others, _wire.remaining(deadline), concurrent.futures.FIRST_COMPLETED)
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            if not fut.done() and 1 + sum(not f.done() for _, f in self._futures.values()) < self._num_workers:
-                if not on_starved():
-                    on_starved = None
-        try:
-            return fut.result(timeout=_wire.remaining(deadline))
-        except concurrent.futures.TimeoutError:
-            self.close()
-            raise BatchTimeoutError(
-                f"Batch {key} of `{self.name}` did not arrive within timeout={self.timeout} s from its "
-                "worker thread. Raise `timeout` if batches are this slow, or look for a hang in "
-                "__getitem__. (A thread cannot be stopped: it ends when its call returns.)"
-            ) from None
-        except Exception as exc:
-            _add_note(exc, f"[kpipe] raised in a worker thread while loading batch {key} of `{self.name}`.")
-            exc.kpipe_batch_index = key
-            raise
-
-    def discard(self, seq):
-        item = self._futures.pop(seq, None)
-        if item is not None:
-            item[1].cancel()
-
-    def reset_target(self, target, dumped=None):  # threads share the object: nothing to pickle
-        for seq in list(self._futures):
-            self.discard(seq)
-        self._target = target
-
-    def close(self, force=False):
-        self.closed = True
-        self._finalizer()
-
-
-class InlineBackend:
-    """Runs `target[key]` in the calling thread when the result is asked for (`workers=0`)."""
-
-    def __init__(self, target, *, mode, name):
-        self.name = name
-        self._target = target
-        self._mode = mode
-        self._todo = {}
-        self._seq = itertools.count()
-        self.closed = False
-
-    pids = property(lambda self: [])
-
-    def submit(self, key, inputs=None, seed=None):  # the calling thread's RNGs stay the user's
-        seq = next(self._seq)
-        self._todo[seq] = (key, inputs)
-        return seq
-
-    def get(self, seq, on_starved=None):
-        key, inputs = self._todo.pop(seq)
-        try:
-            out = self._target[key] if self._mode == "dataset" else self._target(inputs)
-        except Exception as exc:
-            _add_note(exc, f"[kpipe] raised while loading batch {key} of `{self.name}`.")
-            exc.kpipe_batch_index = key
-            raise
-        return _in_process_result(out)
-
-    def discard(self, seq):
-        self._todo.pop(seq, None)
-
-    def reset_target(self, target, dumped=None):
-        self._todo.clear()
-        self._target = target
-
-    def close(self, force=False):
-        self.closed = True
-
-
-def _in_process_result(out):
-    """`(tree, treedef, meta)` for a batch made in this process (threads, inline): the same
-    validation and leaf conversion as a worker's, without shared memory."""
-    treedef, leaves, _ = _tree.flatten(out)
-    return _tree.unflatten(treedef, leaves), treedef, [(a.dtype.str, a.shape) for a in leaves]
-
-
-def _add_note(exc, note):
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-
-
-__all__ = ["InlineBackend", "ProcessBackend", "ThreadBackend", "describe_exit", "pack_exception", "rebuild_exception"]
+__all__ = ["ProcessBackend", "describe_exit", "pack_exception", "rebuild_exception"]

@@ -57,7 +57,7 @@ def setup_seconds():
     growing segments, mapping them and paging them in (`Segment.reserve`); the pages'
     first allocation by the kernel counts here. A worker reports the part each batch
     paid, so that the main process knows what one more slot costs (`ProcessLoader`
-    deepens its window only when workers idled longer than that, see `_starved`)."""
+    deepens its window only when workers idled longer than that, see `Window.starved` in `_window.py`)."""
     return _setup_seconds[0]
 
 

@@ -42,7 +42,7 @@ threads), `runq_s` the time its main thread waited for a CPU (Linux
 `setup_s` (of a batch, or of a `prepare`) is the part of its time spent growing, mapping
 and paging in shared memory (`_shm.setup_seconds`): 0 in a slot the worker has written
 before at that size, what a new slot costs otherwise (the loader weighs it before
-taking more slots, see `ProcessLoader._starved`).
+taking more slots, see `Window.starved` in `_window.py`).
 
 Parent death: a worker (and kpipe's fork server) asks the kernel for SIGKILL when its
 parent dies (Linux `PR_SET_PDEATHSIG`), and a watchdog thread checks `os.getppid()`
@@ -68,6 +68,7 @@ from kpipe._engine import _alloc, _pickling, _threads, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._shm import Segment, plan_layout, setup_seconds
 from kpipe._engine._wire import recv_fds, send_fds
+from kpipe.errors import LoaderError
 
 _PARENT_POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1
@@ -89,6 +90,39 @@ def pack_exception(exc):
         "message": str(exc),
         "traceback": tb,
     }
+
+
+class _KeyErrorMessage(str):
+    """KeyError repr-quotes its message; this keeps the traceback readable (as PyTorch does)."""
+
+    def __repr__(self):
+        return self
+
+
+def rebuild_exception(packed, where):
+    """An exception of the worker's type whose message adds `where` and the worker traceback."""
+    msg = (
+        f"{packed['message']}\n\n[kpipe] Caught {packed['name']} {where}.\n"
+        f"Original traceback from the worker:\n{packed['traceback']}"
+    )
+    exc_type = None
+    if packed.get("type"):
+        try:
+            import cloudpickle
+
+            exc_type = cloudpickle.loads(packed["type"])
+        except Exception:
+            exc_type = None
+    exc = None
+    if isinstance(exc_type, type) and issubclass(exc_type, BaseException):
+        try:
+            exc = exc_type(_KeyErrorMessage(msg) if issubclass(exc_type, KeyError) else msg)
+        except Exception:
+            exc = None
+    if exc is None:
+        exc = LoaderError(msg)
+    exc.worker_traceback = packed["traceback"]
+    return exc
 
 
 def die_with_parent(parent_pid):

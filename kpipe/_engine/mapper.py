@@ -7,7 +7,8 @@ in input order.
 
 import collections
 
-from kpipe._engine._pool import InlineBackend, ProcessBackend
+from kpipe._engine._local import InlineBackend
+from kpipe._engine._pool import ProcessBackend
 
 _DEFAULT_TIMEOUT_S = 120.0
 

@@ -73,6 +73,8 @@ from typing import Dict, List, Optional, Sequence
 import keras
 import numpy as np
 
+from kpipe import _stream
+from kpipe._keras_hook import keras_iterator
 from kpipe.distribute._chief import per_worker_path
 
 logger = logging.getLogger("kpipe.callbacks")
@@ -300,9 +302,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "step": self._step,
             "optimizer_step": _optimizer_step(self.model),
             "files": files,
-            "loaders": [loader._state_at(loader._key_after(origin, self._consumed))  # noqa: SLF001
-                        if hasattr(loader, "_key_after") else loader.state()
-                        for loader, origin in zip(self.loaders, self._origins)],
+            "loaders": [_loader_state(loader, origin, self._consumed) for loader, origin in zip(self.loaders, self._origins)],
             "keras_steps_seen": [_keras_steps_seen(loader) for loader in self.loaders],
         }
         self._commit(backup, metadata)
@@ -409,9 +409,10 @@ def _build_metrics(model, strategy, loaders):
     """Builds the compiled metrics before skipped steps report them (Keras builds them at
     the first real step; an epoch whose steps are all skipped would have none)."""
     compiled = getattr(model, "_compile_metrics", None)
-    if compiled is None or compiled.built or not loaders or not hasattr(loaders[0], "_peek"):
+    source = _stream.source_of(loaders[0]) if loaders else None
+    if compiled is None or compiled.built or source is None:
         return
-    batch = loaders[0]._peek(0)  # noqa: SLF001 -- kept for the first real step, no extra load
+    batch = source.peek(0)  # kept for the first real step, no extra load
     batch = tuple(batch) if isinstance(batch, list) else batch
     try:
         with strategy.scope():
@@ -429,9 +430,15 @@ def _metrics_so_far(model):
         return {}
 
 
+def _loader_state(loader, origin, consumed):
+    """The state of `loader` `consumed` batches after `origin` (what training took), or
+    its own `state()` for a loader kpipe does not read through its stream protocol."""
+    source = _stream.source_of(loader)
+    return source.state_after(origin, consumed) if source is not None else loader.state()
+
+
 def _keras_iterator(loader):
-    ref = getattr(loader, "_keras_iterator", None)
-    iterator = ref() if ref is not None else None
+    iterator = keras_iterator(loader)
     if iterator is None or not getattr(iterator, "steps_per_epoch", None):
         return None  # no steps_per_epoch: Keras's epochs are passes, nothing to align
     return iterator if hasattr(iterator, "_steps_seen") else None
@@ -450,8 +457,8 @@ def _set_keras_steps_seen(loader, value):
 
 
 def _head(loader):
-    cursor = getattr(loader, "_cursor", None)
-    return cursor.head if cursor is not None else None
+    source = _stream.source_of(loader)
+    return source.head() if source is not None else None
 
 
 def _steps_per_execution(model) -> int:

@@ -67,7 +67,7 @@ import warnings
 
 import keras
 
-from kpipe import _compat
+from kpipe import _compat, _stream
 from kpipe.callbacks import _summary, _timeline
 
 _TB_BATCH = 4096  # per-step TensorBoard values buffered before a write mid-epoch
@@ -426,14 +426,11 @@ class InputProfiler(keras.callbacks.Callback):
         loader's stream holds while it waits for a worker, so calling it here would block
         the step on the very wait being measured."""
         loader = self._loader()
-        if loader is None:
-            return None
-        try:
-            st = loader._stats
-            return max(0, st["loads"] - st["batches"] - st["discards"])
-        except (AttributeError, KeyError, TypeError):
+        source = _stream.source_of(loader) if loader is not None else None
+        if source is None:
             self._loader_ref = None
             return None
+        return source.queue_depth()
 
     # -- TensorBoard ----------------------------------------------------------------------
 

@@ -1,0 +1,102 @@
+"""Argument checks shared by kpipe's public constructors: each error names the argument,
+the value received and the fix (the house style's error rule)."""
+
+import math
+import os
+
+import numpy as np
+
+from kpipe import _devices
+
+
+def check_int(name, value, minimum, fix):
+    """`value` as an int `>= minimum`; a TypeError or ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an integer. Received: {name}={value!r} of type {type(value).__name__}.")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value}. {fix}".rstrip())
+    return int(value)
+
+
+def check_timeout(timeout):
+    """Seconds as a float, or None for no timeout (also for `float("inf")`)."""
+    if timeout is None or (isinstance(timeout, float) and math.isinf(timeout) and timeout > 0):
+        return None
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0 or math.isnan(timeout):
+        raise ValueError(
+            f"`timeout` must be a positive number of seconds, or None for no timeout. Received: timeout={timeout!r}."
+        )
+    return float(timeout)
+
+
+def check_dataset(dataset):
+    """Refuses what cannot be a batch dataset (a str, a dict, a generator...)."""
+    if isinstance(dataset, (str, bytes, bytearray, dict)) or not hasattr(dataset, "__getitem__"):
+        raise TypeError(
+            "`dataset` must have __getitem__(i) returning batch i and __len__ (a keras.utils.PyDataset "
+            f"or Sequence). Received: {str(dataset)[:100]!s} of type {type(dataset).__name__}. For a Python "
+            "generator, pass it to model.fit directly; for arrays, use kpipe.data.from_numpy."
+        )
+
+
+def check_start_method(start_method):
+    """`start_method` as given, or this platform's default when None."""
+    if start_method not in (None, "forkserver", "spawn", "fork"):
+        raise ValueError(
+            f"Invalid value for argument `start_method`. Received: start_method={start_method!r}. "
+            "Expected 'forkserver' (default), 'spawn' or 'fork'; for threads pass use_threads=True."
+        )
+    return start_method or default_start_method()
+
+
+def default_start_method():
+    return "forkserver" if hasattr(os, "fork") and hasattr(os, "memfd_create") else "spawn"
+
+
+def check_shards(num_shards, shard_index, num_batches, shuffle, seed):
+    """`(num_shards, shard_index)`, `(1, 0)` for none; errors for a split that would
+    give a shard no batch or overlap shards."""
+    if num_shards is None and shard_index is None:
+        return 1, 0
+    if num_shards is None or shard_index is None:
+        raise ValueError(
+            f"Pass both `num_shards` and `shard_index` or neither. Received: num_shards={num_shards!r}, "
+            f"shard_index={shard_index!r}."
+        )
+    num_shards = check_int("num_shards", num_shards, 1, "")
+    shard_index = check_int("shard_index", shard_index, 0, "")
+    if shard_index >= num_shards:
+        raise ValueError(
+            f"`shard_index` must be < num_shards. Received: shard_index={shard_index}, num_shards={num_shards}."
+        )
+    if num_batches is not None and num_batches < num_shards:
+        raise ValueError(
+            f"The dataset has {num_batches} batches, fewer than num_shards={num_shards}: some shards "
+            "would get none. Use smaller batches or fewer shards."
+        )
+    if shuffle and seed is None and num_shards > 1:
+        raise ValueError(
+            "`shuffle=True` across shards needs a `seed`: with a different random order on each "
+            "worker, shards would overlap (samples duplicated and dropped). Received: seed=None. "
+            "Pass the same seed=... on every worker."
+        )
+    return num_shards, shard_index
+
+
+def check_device(device):
+    """`device` as TensorFlow's canonical name, or a ValueError listing the devices."""
+    name = _devices.local_device(device)
+    if name is not None:
+        return name
+    raise ValueError(
+        f"`device` must name a device of this process. Received: device={device!r}. "
+        f"Available: {', '.join(_devices.available())}. Pass one of them (e.g. '/gpu:0'), or device=None to "
+        "leave batches on the host."
+    )
+
+
+def check_epochs(epochs):
+    """`as_dataset(epochs=...)`: a positive int or None."""
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise ValueError(f"`epochs` must be a positive int (the iterations the dataset will run) or None. Received: epochs={epochs!r}.")
+    return epochs

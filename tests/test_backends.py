@@ -1,0 +1,115 @@
+"""Every backend passes the same conformance checks (the protocol in
+kpipe/_engine/_backend.py): results in any order of asking, discards, errors that keep
+their type and name their batch, a new target, close; and a capability a backend lacks
+answers with the base class's no-ops. A new backend (remote workers) joins `BACKENDS`."""
+
+import numpy as np
+import pytest
+
+from _datasets import Failing, Squares
+from kpipe._engine._backend import Backend
+from kpipe._engine._local import InlineBackend, ThreadBackend
+from kpipe._engine._pool import ProcessBackend
+from kpipe.errors import LoaderClosedError
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+
+def _inline(target):
+    return InlineBackend(target, mode="dataset", name=type(target).__name__)
+
+
+def _threads(target):
+    return ThreadBackend(target, num_workers=2, mode="dataset", timeout=60.0, seed=0, name=type(target).__name__)
+
+
+def _processes(target):
+    return ProcessBackend(target, num_workers=2, mode="dataset", start_method="forkserver", timeout=60.0, seed=0,
+                          name=type(target).__name__, keep_idle=8, keep_payload=True)
+
+
+BACKENDS = {"inline": _inline, "threads": _threads, "processes": _processes}
+CAPABILITIES = ("keeps_copy", "has_slots", "can_send_state", "can_resize", "thread_budget")
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def make(request):
+    made = []
+
+    def make(target):
+        backend = BACKENDS[request.param](target)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def _equal(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_results_come_for_any_order_of_asking(no_leaks, make):
+    ds = Squares(n=6)
+    backend = make(ds)
+    assert isinstance(backend, Backend) and backend.num_workers in (0, 2)
+    seqs = [backend.submit(i) for i in range(6)]
+    for i in (3, 0, 5, 1, 2, 4):
+        tree, treedef, meta = backend.get(seqs[i])
+        assert _equal(tree, ds[i]) and [tuple(s) for _, s in meta] == [(4, 1), (4, 1)]
+
+
+def test_a_discarded_task_is_forgotten_and_the_rest_arrive(no_leaks, make):
+    ds = Squares(n=6)
+    backend = make(ds)
+    seqs = [backend.submit(i) for i in range(4)]
+    backend.discard(seqs[1])
+    assert [_equal(backend.get(seqs[i])[0], ds[i]) for i in (0, 2, 3)] == [True] * 3
+
+
+def test_an_error_keeps_its_type_and_names_its_batch(no_leaks, make):
+    backend = make(Failing("raise", bad=2))
+    seqs = [backend.submit(i) for i in range(4)]
+    with pytest.raises(ValueError, match="cannot decode record 2") as info:
+        backend.get(seqs[2])
+    assert info.value.kpipe_batch_index == 2
+    assert _equal(backend.get(seqs[3])[0], Failing("raise", bad=2)[3])  # the backend stays usable
+
+
+def test_a_new_target_serves_the_tasks_submitted_after_it(no_leaks, make):
+    backend = make(Squares(n=6, batch=4))
+    backend.get(backend.submit(1))
+    backend.reset_target(Squares(n=6, batch=2))
+    tree, _, _ = backend.get(backend.submit(1))
+    assert tree[0].shape == (2, 1)
+
+
+def test_close_is_idempotent_and_refuses_new_work(no_leaks, make):
+    backend = make(Squares(n=6))
+    backend.get(backend.submit(0))
+    backend.close()
+    backend.close()
+    assert backend.closed
+    with pytest.raises(LoaderClosedError):
+        backend.submit(1)
+
+
+def test_capabilities_are_declared_and_absent_ones_are_no_ops(no_leaks, make):
+    backend = make(Squares(n=6))
+    flags = {name: getattr(backend, name) for name in CAPABILITIES}
+    assert all(isinstance(v, bool) for v in flags.values())
+    assert len(backend.pids) == (2 if flags["can_resize"] else 0)
+    if not flags["has_slots"]:
+        assert (backend.needs_new_slot(), backend.slots_held(), backend.slot_releases, backend.is_first_use(0)) == (False, 0, 0, False)
+        assert (backend.slot_setup_s(), backend.mean_batch_s(), backend.idle_workers(), backend.prepare_slots(9)) == (0.0, 0.0, 0, 0)
+    else:
+        backend.get(backend.submit(0))
+        assert backend.mean_batch_s() > 0 and backend.slots_held() == 0  # the batch was dropped at once
+    if not flags["thread_budget"]:
+        assert backend.worker_threads is None and backend.thread_pools() == []
+    else:
+        assert backend.worker_threads >= 1 and len(backend.thread_pools()) == 2
+    if flags["keeps_copy"]:
+        payload, keys = backend.current_state()
+        assert isinstance(payload, bytes) and keys == []

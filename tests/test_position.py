@@ -1,0 +1,135 @@
+"""`Position` (kpipe/_engine/_position.py), with no processes: the plan, the head and its
+readers, each pass's length and the saved state. Saved at every step and restored into a
+fresh Position, reading goes on exactly as in the uninterrupted run -- across passes,
+shards and lengths that change between passes (as grain's prefetch_test.py::test_checkpoint
+checks its iterators)."""
+
+import json
+
+import pytest
+
+from kpipe._engine._position import STATE_FORMAT, Position
+
+CONFIGS = [
+    dict(shuffle=False, seed=0, num_shards=1, shard_index=0),
+    dict(shuffle=True, seed=7, num_shards=1, shard_index=0),
+    dict(shuffle=True, seed=7, num_shards=2, shard_index=1),
+    dict(shuffle=True, seed=3, num_shards=3, shard_index=0),
+]
+LENGTHS = [7, 5, 9, 6]  # the dataset's len() in passes 0..3: its hook changes it at each pass end
+
+
+def _read(position, lengths, stop=None):
+    """Reads in order, pass after pass, as a manual loop does (`loader[i]` for each i, the
+    dataset's hook at each pass end changing its length to the next pass's); returns the
+    (key, dataset index) pairs, and the state before each read."""
+    out, states = [], []
+    while position.head[0] < len(lengths):
+        if stop is not None and len(out) == stop:
+            break
+        head = position.head
+        states.append(json.loads(json.dumps(position.state_dict())))  # as a backup file holds it
+        key, sequential = position.direct_key(max(head[1], position.direct_position()[1]))
+        out.append((key, position.index(key)))
+        if position.handed_out_direct(key, sequential):
+            ended = position.head[0]
+            position.complete_pass()
+            if ended + 1 < len(lengths):
+                position.set_length(lengths[ended + 1])
+    return out, states
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["ordered", "shuffled", "shard-1-of-2", "shard-0-of-3"])
+def test_a_state_saved_at_every_step_resumes_the_same_reads(config):
+    full, states = _read(Position(LENGTHS[0], **config), LENGTHS)
+    shards = config["num_shards"]
+    assert len(full) == sum(n // shards for n in LENGTHS)
+    for step, state in enumerate(states):
+        assert state["format"] == STATE_FORMAT and state["num_batches"] == LENGTHS[state["pass"]]
+        resumed = Position(LENGTHS[-1], **config)  # a new process: the dataset as it is now
+        resumed.load_state_dict(state, same_length=False, name="Data")
+        rest, _ = _read(resumed, LENGTHS)
+        assert rest == full[step:], step
+
+
+def test_shards_of_a_pass_are_disjoint_and_cover_all_but_the_remainder():
+    for n in (7, 12):
+        for shards in (1, 2, 3):
+            seen = []
+            for w in range(shards):
+                position = Position(n, shuffle=True, seed=11, num_shards=shards, shard_index=w)
+                keys = [(1, i) for i in range(position.length_of(1))]
+                seen += [position.index(k) for k in keys]
+            assert len(seen) == len(set(seen)) == n // shards * shards
+
+
+def test_each_pass_has_the_length_recorded_for_it_and_later_ones_the_newest():
+    position = Position(4)
+    assert [position.length_of(p) for p in range(3)] == [4, 4, 4]
+    position.record_length(1, 6)
+    assert [position.dataset_length(p) for p in range(3)] == [4, 6, 6]
+    assert position.walk((0, 3), 1) == (1, 0) and position.walk((0, 0), 10) == (2, 0)
+    assert position.distance((0, 2), (1, 1), limit=100) == 3
+    assert position.distance((0, 0), (3, 0), limit=4) == 5  # counted up to limit + 1 only
+    position.forget_length(1)
+    assert position.length_of(1) == 4
+    position.forget_length(0)  # never the only one known
+    assert position.length_of(0) == 4
+
+
+def test_a_new_length_applies_from_the_first_pass_nothing_of_which_was_read():
+    position = Position(4)
+    position.set_length(6)  # before any read: pass 0 itself
+    assert position.length_of(0) == 6
+    key, sequential = position.direct_key(0)
+    position.handed_out_direct(key, sequential)
+    position.set_length(3)  # pass 0 is being read: from pass 1 on
+    assert (position.length_of(0), position.length_of(1)) == (6, 3)
+
+
+def test_successor_crosses_a_pass_end_only_when_told():
+    position = Position(3)
+    assert position.successor((0, 1), cross_passes=False) == (0, 2)
+    assert position.successor((0, 2), cross_passes=False) is None
+    assert position.successor((0, 2), cross_passes=True) == (1, 0)
+    infinite = Position(None)
+    assert infinite.length_of(0) is None and infinite.successor((0, 10**6), cross_passes=False) == (0, 10**6 + 1)
+    assert infinite.index((0, 5)) == 5
+
+
+def test_streams_hand_out_the_rest_of_the_head_pass_and_probes_nothing():
+    position = Position(3)
+    position.begin_probe()
+    probe = position.open_stream()
+    assert position.next_key(probe) == (0, 0)
+    assert not position.handed_out(probe, (0, 0)) and not position.handed_in_pass
+    position.end_probe()
+    assert position.next_key(probe) is None  # a probe's stream ends with the probe
+    stream = position.open_stream(hooks="keras")
+    keys = []
+    while (key := position.next_key(stream)) is not None:
+        keys.append(key)
+        if position.handed_out(stream, key):
+            position.complete_pass()
+    assert keys == [(0, 0), (0, 1), (0, 2)] and position.head == (1, 0)
+    assert position.stream_position(stream, consumed=2) == (0, 2)  # its reader ran ahead of the consumer
+    assert position.stream_position(stream) == (1, 0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(seed=8), "seed=8, but this loader has seed=7"),
+    (dict(shuffle=False), "shuffle=False, but this loader has shuffle=True"),
+    (dict(num_shards=3), "num_shards=3"),
+    (dict(format=99), "newer kpipe"),
+    (dict(position=9), "out of range for a pass of 3 batches"),
+    (dict(num_batches=5), "saved for a dataset of 5 batches, but `Data` has 7"),
+])
+def test_a_state_of_another_configuration_is_refused_with_what_differs(change, message):
+    position = Position(7, shuffle=True, seed=7, num_shards=2, shard_index=0)
+    state = dict(position.state_dict(), **change)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        position.check_state(state, same_length=True, name="Data")
+    with pytest.raises(ValueError, match="must be a dict"):
+        position.check_state([1, 2], same_length=True, name="Data")
+    with pytest.raises(ValueError, match="lacks the entry 'pass'"):
+        position.check_state({"format": STATE_FORMAT}, same_length=True, name="Data")
