@@ -33,6 +33,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench  # noqa: E402  (the scripts' option parsing and tables)
 import bench_loaders as bl  # noqa: E402  (its datasets and page-touching consumer)
 
 import kpipe  # noqa: E402  (bench_loaders put the repository first on sys.path)
@@ -105,18 +106,11 @@ def main(argv=None):
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
 
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    bad = [w for w in workloads if w not in _WORKLOADS]
-    if bad or not workloads:
-        parser.error(f"--workloads takes {', '.join(_WORKLOADS)}. Received: {args.workloads}")
-    try:
-        counts = [int(c) for c in ("1,2" if args.quick else args.counts).split(",")]
-        epochs = dict(item.split("=") for item in args.epochs.split(","))
-        epochs = {w: int(epochs.get(w, 1)) for w in _WORKLOADS}
-    except ValueError:
-        parser.error(f"--counts takes integers and --epochs `w=N,...`. Received: --counts {args.counts} --epochs {args.epochs}")
-    if min(counts) < 1 or args.repeats < 1:
-        parser.error(f"--counts and --repeats must be >= 1. Received: --counts {args.counts} --repeats {args.repeats}")
+    workloads = _bench.parse_names(parser, "--workloads", args.workloads, _WORKLOADS)
+    counts = [1, 2] if args.quick else _bench.parse_counts(parser, "--counts", args.counts)
+    epochs = _bench.parse_epochs(parser, "--epochs", args.epochs, _WORKLOADS)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1. Received: {args.repeats}")
     scale, repeats = (0.125, 1) if args.quick else (1.0, args.repeats)
     if args.quick:
         epochs = dict.fromkeys(_WORKLOADS, 1)
@@ -153,13 +147,15 @@ def main(argv=None):
             rows.append(row)
 
     print(f"\nworkers='auto' vs fixed: {len(os.sched_getaffinity(0))} CPUs, epochs {epochs}, best of {repeats} runs in rounds\n")
-    print(f"{'workload':<10}{'workers':>9}{'samples/s':>12}{'x best fixed':>14}  auto: workers at the end (changes)")
+    lines = []
     for r in rows:
         extra = ""
         if r["workers"] == "auto":
             changes = " ".join(f"{d['workers_from']}->{d['workers_to']}@{d['t']:.1f}s" for d in r["auto_decisions"])
             extra = f"  {r['workers_end']} ({changes or 'none'})"
-        print(f"{r['workload']:<10}{r['workers']!s:>9}{r['samples_per_s']:>12.1f}{r['x_best_fixed']:>14.2f}{extra}")
+        lines.append([r["workload"], r["workers"], r["samples_per_s"], r["x_best_fixed"], extra])
+    _bench.print_table([("workload", "<10", ""), ("workers", ">9", ""), ("samples/s", ">12", ".1f"), ("x best fixed", ">14", ".2f"),
+                        ("  auto: workers at the end (changes)", "", "")], lines, rule=False)
     checks = []
     if "blas" in workloads:
         checks = bl.blas_checks({r["workers"]: r["samples_per_s"] for r in rows if r["workload"] == "blas"})

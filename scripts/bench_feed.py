@@ -60,6 +60,10 @@ import numpy as np  # noqa: E402
 
 import keras  # noqa: E402
 
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # (imported by its path)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench  # noqa: E402  (the scripts' option parsing and tables)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kpipe  # noqa: E402
 
@@ -231,7 +235,7 @@ def breakdown(model, x, y, steps, epochs, workers, path):
     "feed", "from_generator" or "as_dataset"."""
     from keras.src.trainers import data_adapters
 
-    from kpipe import _feed
+    from kpipe import _feed, _stream
 
     clock = _Clock()
     adapter_cls = data_adapters.PyDatasetAdapter
@@ -241,8 +245,9 @@ def breakdown(model, x, y, steps, epochs, workers, path):
         setattr(owner, name, clock.wrap(name, fn))
     loader = kpipe.ProcessLoader(Batches(x, y, steps), workers=workers)
     try:
-        loader._stream_next = clock.wrap("loader", loader._stream_next)
-        backend = loader._backend
+        reader = _stream.source_of(loader)  # (the loader's parts, as kpipe's own readers reach them)
+        reader.stream_next = clock.wrap("loader", reader.stream_next)
+        backend = reader.backend
         backend.get = clock.wrap("get", backend.get)
         backend.submit = clock.wrap("submit", backend.submit)
         backend._pump = clock.wrap("pump", backend._pump)
@@ -290,29 +295,31 @@ def breakdown(model, x, y, steps, epochs, workers, path):
     }
 
 
-def print_table(rows, sizes):
-    print(f"\n{'input to fit()':<20}" + "".join(f"{size + ' steps/s':>17}{'vs tf.data':>12}" for size in sizes))
-    print("-" * (20 + 29 * len(sizes)))
+def by_size(rows, sizes, columns):
+    """A table of a line per row name ("input to fit()") and, for each size, `columns`:
+    `(key, title, width, fmt)`, "{size}" in a title replaced by the size; "-" where a
+    row did not run at a size."""
+    head = [("input to fit()", "<20", "")] + [(title.format(size=size), width, fmt) for size in sizes for _, title, width, fmt in columns]
+    lines = []
     for name in dict.fromkeys(r["row"] for r in rows):
-        line = f"{name:<20}"
+        line = [name]
         for size in sizes:
             r = next((r for r in rows if r["row"] == name and r["size"] == size), None)
-            line += f"{r['steps_per_s']:>17.0f}{r['vs_tfdata']:>12.2f}" if r else f"{'-':>17}{'-':>12}"
-        print(line)
+            line += [r[key] if r else None for key, *_ in columns]
+        lines.append(line)
+    _bench.print_table(head, lines)
+
+
+def print_table(rows, sizes):
+    print()
+    by_size(rows, sizes, [("steps_per_s", "{size} steps/s", ">17", ".0f"), ("vs_tfdata", "vs tf.data", ">12", ".2f")])
 
 
 def print_calls(rows, sizes):
     print("\nWhole calls (warm model and input): one fit(epochs=--epochs) from call to return, and the "
           "median time from a fit(epochs=1) call to the end of its first step")
-    print(f"{'input to fit()':<20}" + "".join(f"{size + ' whole/s':>15}{'vs tf.data':>11}{'1st step ms':>12}{'vs tf.data':>11}" for size in sizes))
-    print("-" * (20 + 49 * len(sizes)))
-    for name in dict.fromkeys(r["row"] for r in rows):
-        line = f"{name:<20}"
-        for size in sizes:
-            r = next((r for r in rows if r["row"] == name and r["size"] == size), None)
-            line += (f"{r['whole_steps_per_s']:>15.0f}{r['whole_vs_tfdata']:>11.2f}{r['first_step_ms']:>12.1f}{r['first_step_vs_tfdata']:>11.2f}"
-                     if r else f"{'-':>15}{'-':>11}{'-':>12}{'-':>11}")
-        print(line)
+    by_size(rows, sizes, [("whole_steps_per_s", "{size} whole/s", ">15", ".0f"), ("whole_vs_tfdata", "vs tf.data", ">11", ".2f"),
+                          ("first_step_ms", "1st step ms", ">12", ".1f"), ("first_step_vs_tfdata", "vs tf.data", ">11", ".2f")])
 
 
 def print_breakdown(items):
@@ -320,9 +327,8 @@ def print_breakdown(items):
             ("submit_us", "submit"), ("bookkeeping_us", "bookkeep"), ("standardize_us", "keras std"),
             ("convert_us", "to tensor"), ("feed_next_us", "feed next"), ("rest_us", "rest")]
     print(f"\nPer-batch time of the kpipe paths, microseconds (workers={items[0]['workers']}); the loader, keras std and to tensor run in a thread, beside the step:")
-    print(f"{'size':<7}{'path':<29}" + "".join(f"{c[1]:>10}" for c in cols))
-    for b in items:
-        print(f"{b['size']:<7}{b['path']:<29}" + "".join(f"{b[c[0]]:>10.0f}" for c in cols))
+    _bench.print_table([("size", "<7", ""), ("path", "<29", "")] + [(title, ">10", ".0f") for _, title in cols],
+                       [[b["size"], b["path"]] + [b[key] for key, _ in cols] for b in items], rule=False)
 
 
 def main(argv=None):
@@ -339,14 +345,8 @@ def main(argv=None):
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
 
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    bad = [s for s in sizes if s not in _SIZES]
-    if bad or not sizes:
-        parser.error(f"--sizes takes {', '.join(_SIZES)}. Received: {args.sizes}")
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    bad = [r for r in rows if r not in _ROWS]
-    if bad:
-        parser.error(f"--rows takes {', '.join(_ROWS)}. Received: {','.join(bad)}")
+    sizes = _bench.parse_names(parser, "--sizes", args.sizes, _SIZES)
+    rows = _bench.parse_names(parser, "--rows", args.rows, _ROWS, allow_empty=True)
     rows = ["tf.data"] + [r for r in _ROWS[1:] if r in rows]
     for name in ("epochs", "steps", "distinct", "workers", "calls"):
         if getattr(args, name) < 1:

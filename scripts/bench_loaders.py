@@ -133,6 +133,10 @@ import psutil  # noqa: E402
 
 import keras  # noqa: E402
 
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # (imported by its path, as the tests do)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench  # noqa: E402  (the scripts' option parsing and tables)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kpipe  # noqa: E402
 
@@ -951,18 +955,16 @@ def rss_growth(make, epochs, workers):
     return {"epochs": epochs, "rss_after_epoch2_mb": base / 2**20, "rss_max_later_mb": max(after[2:]) / 2**20, "growth_pct": 100.0 * (max(after[2:]) - base) / base}
 
 
+_TABLE = (  # (key in a row, title, alignment and width, format)
+    ("workload", "workload", "<10", ""), ("loader", "loader", "<15", ""), ("workers", "workers", ">8", ""),
+    ("samples_per_s", "samples/s", ">12", ".1f"), ("x_serial", "x serial", ">10", ".2f"), ("x_ceiling", "x ceiling", ">11", ".2f"),
+    ("x_ceiling_paired", "paired", ">8", ".2f"), ("x_ceiling_from_first", "from 1st", ">10", ".2f"),
+    ("first_batch_s", "1st batch s", ">13", ".3f"), ("peak_rss_mb", "peak RSS MB", ">13", ".0f"),
+)
+
+
 def print_table(rows):
-    head = (f"{'workload':<10}{'loader':<15}{'workers':>8}{'samples/s':>12}{'x serial':>10}{'x ceiling':>11}{'paired':>8}"
-            f"{'from 1st':>10}{'1st batch s':>13}{'peak RSS MB':>13}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        fmt = lambda k, f: (format(r[k], f) if r.get(k) is not None else "-")  # noqa: E731
-        print(
-            f"{r['workload']:<10}{r['loader']:<15}{r['workers']:>8}{fmt('samples_per_s', '.1f'):>12}{fmt('x_serial', '.2f'):>10}"
-            f"{fmt('x_ceiling', '.2f'):>11}{fmt('x_ceiling_paired', '.2f'):>8}{fmt('x_ceiling_from_first', '.2f'):>10}"
-            f"{fmt('first_batch_s', '.3f'):>13}{fmt('peak_rss_mb', '.0f'):>13}"
-        )
+    _bench.print_table([(title, width, fmt) for _, title, width, fmt in _TABLE], [[r.get(key) for key, *_ in _TABLE] for r in rows])
     print("(x ceiling: best run / best ceiling run; paired: median over rounds of run / that round's ceiling run;\n"
           " from 1st: best run timed from its first batch, warm-up epochs included / best ceiling run)")
 
@@ -1145,24 +1147,10 @@ def main(argv=None):
 
     if args.rss_epochs and args.rss_epochs < 3:
         parser.error(f"--rss-epochs must be 0 (skip) or >= 3 (growth is measured after epoch 2). Received: {args.rss_epochs}")
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if "=" in args.epochs:
-        epochs = dict.fromkeys(_ALL_WORKLOADS, 1)
-        epochs.update({k: int(v) for k, v in (item.split("=") for item in args.epochs.split(","))})
-    else:
-        epochs = dict.fromkeys(_ALL_WORKLOADS, int(args.epochs))
-    bad = [w for w in workloads if w not in _ALL_WORKLOADS]
-    if bad:
-        parser.error(f"--workloads takes {', '.join(_ALL_WORKLOADS)}. Received: {','.join(bad)}")
-    loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
-    if not loaders or any(x not in _LOADERS for x in loaders):
-        parser.error(f"--loaders takes a comma-separated subset of {','.join(_LOADERS)}. Received: {args.loaders}")
-    try:
-        blas_counts = [int(c) for c in args.blas_workers.split(",")]
-    except ValueError:
-        blas_counts = []
-    if not blas_counts or min(blas_counts) < 1:
-        parser.error(f"--blas-workers takes comma-separated worker counts >= 1. Received: {args.blas_workers}")
+    epochs = _bench.parse_epochs(parser, "--epochs", args.epochs, _ALL_WORKLOADS)
+    workloads = _bench.parse_names(parser, "--workloads", args.workloads, _ALL_WORKLOADS, allow_empty=True)
+    loaders = _bench.parse_names(parser, "--loaders", args.loaders, _LOADERS)
+    blas_counts = _bench.parse_counts(parser, "--blas-workers", args.blas_workers)
     skipped = {k: reason for k in loaders if (reason := peer_missing(k))}
     for k, reason in skipped.items():
         print(f"skipped {k}: {reason}", flush=True)
