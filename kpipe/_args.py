@@ -3,6 +3,7 @@ the value received and the fix (the house style's error rule)."""
 
 import math
 import os
+import warnings
 
 import numpy as np
 
@@ -100,3 +101,14 @@ def check_epochs(epochs):
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
         raise ValueError(f"`epochs` must be a positive int (the iterations the dataset will run) or None. Received: epochs={epochs!r}.")
     return epochs
+
+
+def check_worker_threads(worker_threads, workers, use_threads):
+    """`worker_threads` (checked), with a warning where no worker process would use it."""
+    if worker_threads is not None and (workers == 0 or use_threads):
+        warnings.warn(
+            f"`worker_threads` has no effect with {'workers=0' if workers == 0 else 'use_threads=True'}: batches load "
+            f"in this process, whose thread pools kpipe leaves alone. Received: worker_threads={worker_threads}. "
+            "Drop it, or use worker processes.", stacklevel=3,
+        )
+    return worker_threads

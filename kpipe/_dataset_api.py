@@ -54,6 +54,11 @@ def overrides(obj, method):
     return impl not in (getattr(keras.utils.PyDataset, method, None), getattr(_ShimPyDataset, method, None))
 
 
+def has_hooks(dataset):
+    """Whether the dataset has epoch hooks of its own (the loader's rule applies to them)."""
+    return overrides(dataset, "on_epoch_end") or overrides(dataset, "on_epoch_begin")
+
+
 def call_pass_end_hooks(dataset):
     """What runs at a pass end: the dataset's on_epoch_end, then its on_epoch_begin."""
     if hasattr(dataset, "on_epoch_end"):

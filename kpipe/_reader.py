@@ -22,12 +22,12 @@ Every method runs under the facade's lock (an `RLock`), except `queue_depth()`.
 
 import collections
 import contextlib
-import logging
 import functools
+import logging
 import math
 import threading
 import time
-import warnings
+import weakref
 
 import numpy as np
 
@@ -56,13 +56,24 @@ def _locked(method):
     return call
 
 
+def _weakly(method):
+    """`method` of an object, called through a weak reference (None once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+
+    return call
+
+
 class Reader:
     """Coordinates one loader's parts (module docstring). Built by `ProcessLoader` with
     checked arguments; `autoscale` is an `AutoscaleDriver` for `workers="auto"`."""
 
     def __init__(self, dataset, *, name, num_batches, workers, worker_threads, max_queue_size, max_queue_bytes,
                  shuffle, seed, num_shards, shard_index, start_method, use_threads, timeout, epoch_end_ahead,
-                 autoscale=None):
+                 autoscale=None, keyed_by_pass=False):
         self.lock = threading.RLock()
         self.dataset = dataset
         self.name = name
@@ -73,15 +84,18 @@ class Reader:
         self.use_threads = use_threads
         self.timeout = timeout
         self.autoscale = autoscale
-        self.stateful = _dataset_api.overrides(dataset, "on_epoch_end") or _dataset_api.overrides(dataset, "on_epoch_begin")
+        self.stateful = _dataset_api.has_hooks(dataset)
         self._has_begin = _dataset_api.overrides(dataset, "on_epoch_begin")
-        self.position = Position(num_batches, shuffle=shuffle, seed=seed, num_shards=num_shards, shard_index=shard_index)
+        self.position = Position(num_batches, shuffle=shuffle, seed=seed, num_shards=num_shards, shard_index=shard_index,
+                                 keyed_by_pass=keyed_by_pass)
         self.stats = {
             "batches": 0, "samples": 0, "bytes": 0, "last_batch_bytes": 0, "wait_s": 0.0,
             "pass_start_wait_s": 0.0, "first_batch_s": None, "restarts": 0, "loads": 0, "discards": 0, "passes": 0,
         }
+        # (the window calls back weakly: no reference cycle keeps the reader, and so the
+        # workers, alive once the loader is dropped -- reference counting frees them then)
         self.window = Window(self.position, self.stats, max_queue_size=max_queue_size, max_queue_bytes=max_queue_bytes,
-                             workers=workers, next_key=self.next_dispatch, before_submit=self._before_submit)
+                             workers=workers, next_key=_weakly(self.next_dispatch), before_submit=_weakly(self._before_submit))
         self.ahead = _ahead.LoadAhead(epoch_end_ahead, stateful=self.stateful, in_process=workers == 0 or use_threads,
                                       name=name, call_hooks=_dataset_api.call_pass_end_hooks,
                                       num_batches=_dataset_api.num_batches)
@@ -664,11 +678,3 @@ class Reader:
     def head(self):
         return self.position.head
 
-
-def warn_unused_worker_threads(worker_threads, workers, use_threads):
-    if worker_threads is not None and (workers == 0 or use_threads):
-        warnings.warn(
-            f"`worker_threads` has no effect with {'workers=0' if workers == 0 else 'use_threads=True'}: batches load "
-            f"in this process, whose thread pools kpipe leaves alone. Received: worker_threads={worker_threads}. "
-            "Drop it, or use worker processes.", stacklevel=3,
-        )

@@ -6,11 +6,10 @@ loader's parts, which `kpipe/_reader.py` coordinates (docs/architecture.md draws
 
 import operator
 import os
-import warnings
 
 import keras
 
-from kpipe import _args, _dataset_api, _keras_hook, _reader, _stream, _tf_dataset
+from kpipe import _args, _dataset_api, _keras_hook, _reader, _samples, _stream, _tf_dataset
 from kpipe._engine import _autoscale, _threads
 
 _DEFAULT_TIMEOUT_S = 120.0
@@ -223,17 +222,12 @@ class ProcessLoader(keras.utils.PyDataset):
         self.start_method = _args.check_start_method(start_method)
         _args.check_dataset(dataset)
         self.dataset = dataset
-        self.worker_threads = _threads.check(worker_threads)
-        if self.worker_threads is not None and (workers == 0 or use_threads):
-            warnings.warn(
-                f"`worker_threads` has no effect with {'workers=0' if workers == 0 else 'use_threads=True'}: batches load "
-                f"in this process, whose thread pools kpipe leaves alone. Received: worker_threads={worker_threads}. "
-                "Drop it, or use worker processes.", stacklevel=2,
-            )
+        self.worker_threads = _args.check_worker_threads(_threads.check(worker_threads), workers, use_threads)
         self.shuffle = bool(shuffle)
         self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else _args.check_int("seed", seed, 0, "")
         self.use_threads = bool(use_threads)
-        self._name = type(dataset).__name__
+        keyed = isinstance(dataset, _samples.SampleBatches)  # from_samples: keys `(pass, batch)`
+        self._name = type(dataset.dataset if keyed else dataset).__name__
         num_batches = _dataset_api.num_batches(dataset)
         if num_shards is None and shard_index is None:
             from kpipe.distribute._cluster import default_shard  # (kpipe.distribute imports TensorFlow)
@@ -249,9 +243,53 @@ class ProcessLoader(keras.utils.PyDataset):
             dataset, name=self._name, num_batches=num_batches, workers=workers, worker_threads=self.worker_threads,
             max_queue_size=max_queue_size, max_queue_bytes=max_queue_bytes, shuffle=self.shuffle, seed=self.seed,
             num_shards=num_shards, shard_index=shard_index, start_method=self.start_method, use_threads=self.use_threads,
-            timeout=timeout, epoch_end_ahead=epoch_end_ahead, autoscale=autoscale,
+            timeout=timeout, epoch_end_ahead=epoch_end_ahead, autoscale=autoscale, keyed_by_pass=keyed,
         )
         _stream.register(self, self._reader)
+
+    @classmethod
+    def from_samples(cls, dataset, batch_size, *, shuffle=False, seed=None, drop_remainder=False, **kwargs):
+        """A loader of batches of `batch_size` samples of a per-sample `dataset`, each
+        sample written by the worker straight into the batch's shared memory.
+
+        For a map-style dataset whose `__getitem__(j)` returns one sample (an array, or a
+        tuple/dict of arrays or scalars), as PyTorch and Grain users write it: no batch
+        array is built and copied (the NOTE in `kpipe/_samples.py`). Each pass reads every
+        sample once, in an order that depends only on `(seed, pass)`; `state()`/`restore()`,
+        sharding and epoch hooks work as for a `PyDataset`.
+
+        Args:
+            dataset: `__getitem__(j)` and `__len__()` (samples). Its own
+                `on_epoch_end`/`on_epoch_begin`, if any, run as the loader's rule says.
+            batch_size: Samples per batch.
+            shuffle: A new sample order every pass. Defaults to False.
+            seed: Seed of the sample order and of the workers' random generators.
+                Defaults to None (random).
+            drop_remainder: Leave out the last `len(dataset) % batch_size` samples of
+                each pass instead of a smaller last batch. Defaults to False.
+            **kwargs: Any other `ProcessLoader` argument (`workers`, `num_shards`...).
+
+        Raises:
+            ValueError, TypeError: bad arguments (naming them), or an empty dataset.
+            kpipe.BatchStructureError: samples of one batch differ in structure, dtype
+                or shape.
+
+        Example:
+
+        >>> import numpy as np, kpipe
+        >>> class Points:
+        ...     def __len__(self):
+        ...         return 10
+        ...     def __getitem__(self, j):
+        ...         return np.full(3, j, np.float32), j % 2
+        >>> with kpipe.ProcessLoader.from_samples(Points(), 4, workers=1) as loader:
+        ...     x, y = loader[2]
+        >>> x.shape, y.tolist()
+        ((2, 3), [0, 1])
+        """
+        batches = _samples.for_loader(dataset, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+                                      has_hooks=_dataset_api.has_hooks(dataset))
+        return cls(batches, seed=batches.seed, **kwargs)
 
     @property
     def num_workers(self):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kpipe
-from _datasets import EagerH5, Failing, LazyH5, Locked, Squares
+from _datasets import EagerH5, Failing, LazyH5, Locked, Reshuffling, Squares
 from conftest import gone, kill_and_reap, killed_at_exit, kpipe_children, live_pids, memfd_count, running, shm_entries, sigint_when
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
@@ -216,6 +216,22 @@ def test_stop_mid_epoch_gc_and_100_open_close_cycles_leak_nothing(no_leaks):
     gc.collect()
     assert [p for p in kpipe_children() if p.pid not in before] == []
     assert memfd_count() <= fds0 and shm_entries() == shm0
+
+
+@pytest.mark.parametrize("make", [lambda: Squares(n=8), lambda: Reshuffling(n=6, big=False)], ids=["stateless", "with-hooks"])
+def test_a_dropped_loader_stops_its_workers_by_reference_counting_alone(make, no_leaks):
+    """No reference cycle holds a loader's parts: dropping the last reference stops the
+    workers at once, without waiting for the garbage collector (disabled here)."""
+    gc.collect()
+    gc.disable()
+    try:
+        loader = kpipe.ProcessLoader(make(), workers=2)
+        loader[0], loader[1]
+        pids = loader.stats()["pids"]
+        del loader
+        assert gone(pids)
+    finally:
+        gc.enable()
 
 
 _SCRIPT = textwrap.dedent(

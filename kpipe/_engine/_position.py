@@ -103,10 +103,12 @@ class Position:
     Args:
         num_batches: The dataset's `len()` (None: infinite).
         shuffle, seed, num_shards, shard_index: The loader's (checked by it).
+        keyed_by_pass: Hand out dataset indices as `(pass, index)`.
     """
 
-    def __init__(self, num_batches, *, shuffle=False, seed=0, num_shards=1, shard_index=0):
+    def __init__(self, num_batches, *, shuffle=False, seed=0, num_shards=1, shard_index=0, keyed_by_pass=False):
         self.planner = EpochPlanner(num_batches, shuffle=shuffle, seed=seed, num_shards=num_shards, shard_index=shard_index)
+        self.keyed_by_pass = keyed_by_pass  # index() gives `(pass, index)`: see `index`
         self.head = (0, 0)
         self._dataset_lengths = {0: num_batches}  # the dataset's own len(), per pass, recorded once
         self._probe_depth = 0
@@ -172,8 +174,10 @@ class Position:
 
     # ------------------------------------------------------------------ the plan
     def index(self, key):
-        """The dataset index of the batch at `key`."""
-        return self.planner.index(key[0], key[1], self.dataset_length(key[0]))
+        """The dataset index of the batch at `key` -- as `(pass, index)` for a dataset that
+        orders its own batches per pass (`keyed_by_pass`: `ProcessLoader.from_samples`)."""
+        index = self.planner.index(key[0], key[1], self.dataset_length(key[0]))
+        return (key[0], index) if self.keyed_by_pass else index
 
     def seed_of(self, key):
         """The seed workers reseed `random`/`numpy.random` with before loading `key`."""
