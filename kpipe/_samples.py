@@ -94,15 +94,18 @@ class SampleBatches:
         batch = [_alloc.empty((len(samples),) + leaf.shape, leaf.dtype) for leaf in leaves]
         for out, leaf in zip(batch, leaves):
             out[0] = leaf
+        leaves_of = _leaves_of(treedef)
         for row in range(1, len(samples)):
             j = int(samples[row])
-            sample_def, sample_leaves, _ = _tree.flatten(self.dataset[j], what="sample")
-            if sample_def != treedef:
+            sample = self.dataset[j]
+            values = leaves_of(sample)
+            if values is None:
                 raise BatchStructureError(
-                    f"Sample {j} of `{_name(self.dataset)}` has structure {_tree.describe(sample_def)}, but sample "
-                    f"{int(samples[0])} of the same batch had {_tree.describe(treedef)}. Every sample must have "
-                    "the same structure.")
-            for path, out, leaf in zip(paths, batch, sample_leaves):
+                    f"Sample {j} of `{_name(self.dataset)}` has structure "
+                    f"{_tree.describe(_tree.flatten(sample, what='sample')[0])}, but sample {int(samples[0])} of the "
+                    f"same batch had {_tree.describe(treedef)}. Every sample must have the same structure.")
+            for path, out, value in zip(paths, batch, values):
+                leaf = value if type(value) is np.ndarray else np.asarray(value)
                 if leaf.shape != out.shape[1:] or leaf.dtype != out.dtype:
                     raise BatchStructureError(
                         f"Sample {j} of `{_name(self.dataset)}` has {path} with shape {leaf.shape} and dtype "
@@ -111,6 +114,46 @@ class SampleBatches:
                         "in __getitem__ (resize, crop or pad them), or batch them yourself in a PyDataset.")
                 out[row] = leaf
         return _tree.unflatten(treedef, batch)
+
+
+def _leaves_of(treedef):
+    """A function `sample -> its leaves` for samples of structure `treedef` (None for a
+    sample of another structure): the per-sample walk without building the paths and
+    checks `_tree.flatten` makes for the first sample of a batch."""
+    tag = treedef[0]
+    if tag == "leaf":
+        return lambda node: [node]
+    if tag == "none":
+        return lambda node: [] if node is None else None
+    if tag in ("tuple", "list"):
+        kind = tuple if tag == "tuple" else list
+        children = treedef[1]
+        if all(c[0] == "leaf" for c in children):  # the common sample, (x, y) of arrays
+            n = len(children)
+            return lambda node: list(node) if type(node) is kind and len(node) == n else None
+        walks = [_leaves_of(c) for c in children]
+
+        def items(node):
+            return list(node) if type(node) is kind and len(node) == len(walks) else None
+    else:  # dict
+        keys, walks = treedef[1], [_leaves_of(c) for c in treedef[2]]
+
+        def items(node):
+            return [node[k] for k in keys] if type(node) is dict and node.keys() == set(keys) else None
+
+    def walk(node):
+        values = items(node)
+        if values is None:
+            return None
+        out = []
+        for value, leaves_of in zip(values, walks):
+            leaves = leaves_of(value)
+            if leaves is None:
+                return None
+            out += leaves
+        return out
+
+    return walk
 
 
 class _SampleBatchesWithHooks(SampleBatches):

@@ -194,3 +194,27 @@ def test_workers_do_not_import_tensorflow_for_the_sample_batches(no_leaks):
         with open(f"/proc/{pid}/maps") as f:
             maps = f.read()
     assert "tensorflow" not in maps and "_pywrap" not in maps and os.getpid() != pid
+
+
+class _Nested:
+    def __init__(self, bad_at=None):
+        self.bad_at = bad_at
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, j):
+        if j == self.bad_at:
+            return {"a": np.zeros(2, np.float32)}, j  # the nested dict lost a key
+        return {"a": np.full(2, j, np.float32), "b": (np.int8(j), [j, j])}, j
+
+
+def test_nested_samples_stack_leaf_by_leaf_and_a_changed_structure_is_named():
+    batches = _samples.SampleBatches(_Nested(), 4, shuffle=False, seed=0, drop_remainder=False)
+    (features, labels) = batches[(0, 0)]
+    assert features["a"].shape == (4, 2) and features["b"][0].dtype == np.int8
+    assert [leaf.tolist() for leaf in features["b"][1]] == [[0, 1, 2, 3]] * 2  # a list is a container of leaves, as in a batch
+    assert labels.tolist() == [0, 1, 2, 3]
+    bad = _samples.SampleBatches(_Nested(bad_at=2), 4, shuffle=False, seed=0, drop_remainder=False)
+    with pytest.raises(BatchStructureError, match=r"Sample 2 of `_Nested` has structure \(\{'a': array\}, array\), but sample 0"):
+        bad[(0, 0)]
