@@ -544,3 +544,12 @@ def test_slot_allocator_finds_arrays_in_the_slot_only():
         _alloc.end()
         seg.close()
     assert type(kpipe.empty(3)) is np.ndarray and kpipe.empty(3).dtype == np.float32
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_workers_run_with_glibc_keeping_freed_buffers_for_reuse(start_method, no_leaks):
+    from _datasets import MallocEnv
+
+    with kpipe.ProcessLoader(MallocEnv(), workers=1, start_method=start_method) as loader:
+        flags = loader[0]
+    assert flags.tolist() == [True, True, True]  # mmap threshold, trim threshold, and no mmap for big buffers

@@ -23,9 +23,14 @@ from kpipe.errors import LoaderError
 JOIN_TIMEOUT_S = 2.0
 KILL_TIMEOUT_S = 2.0
 SPAWN_TIMEOUT_S = 60.0
-# glibc keeps freed big buffers (up to 32 MiB) instead of unmapping them, so a worker that
-# allocates a fresh batch array per call reuses warm pages instead of page-faulting.
-WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+# glibc keeps freed buffers for reuse instead of unmapping them, so a worker that allocates
+# fresh arrays per call reuses warm pages instead of page-faulting and zeroing new ones:
+# temporaries up to 32 MiB (the largest mmap threshold glibc takes; 600 KB per-sample
+# temporaries cost 38,000 page faults per batch otherwise) and, with no mmap at all
+# (MALLOC_MMAP_MAX_=0), bigger ones too -- a 77 MB `np.stack` batch per call: +22% samples/s
+# for such a dataset (`python scripts/bench_loaders.py --workloads b-stack`). Freed memory
+# stays in the worker's heap up to MALLOC_TRIM_THRESHOLD_ (1 GiB) before it is returned.
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_MAX_": "0"}
 
 
 def describe_exit(code):
