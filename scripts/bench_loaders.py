@@ -15,6 +15,12 @@ Workloads (issue #2):
            makes it wait at each pass end (as Keras does) for the last batch to be taken
            and the new state to reach the workers -- b against b-fixed is that cost
   c        5 ms of waiting (I/O) per sample, batch 32
+  b-stack  workload b as users write it (issue #33): each sample read and scaled, the
+           batch made with `np.stack` (a new 77 MB array per batch); its ceiling is the
+           same np.stack code in bare processes
+  s        small samples (issue #33): 32x32x3 uint8 images in memory, batch 256, each
+           scaled to float32 in a new order each epoch; PyTorch's row batches the records
+           itself (`DataLoader(records, batch_size=256, shuffle=True)`, default collate)
   blas     small linear algebra per batch: a 160x160 float32 matrix put through six
            `tanh(a @ a.T)` (60 batches per epoch), run at every count of
            `--blas-workers` (default 1,2,4) and, for kpipe, at workers="auto": NumPy's
@@ -23,6 +29,12 @@ Workloads (issue #2):
            the serial loop and of the same loader at workers=1, and the issue's targets
            (workers=2 >= 1.3x workers=1; "auto" >= 0.9x the best fixed count; no fixed
            count below 0.8x workers=1) as PASS/MISS lines
+
+"kpipe-samples" is `kpipe.ProcessLoader.from_samples(records, batch_size, shuffle=...)` on
+the workload's per-sample records (Grain's, below, with its random map applied per record):
+the workers write each sample into its row of the batch's shared memory (issue #33; not on
+b-direct and blas, whose records are whole batches). The ceiling of a, b and s is the same
+per-sample work written in place (`kpipe.empty`) in bare processes.
 
 Peers, each with the same worker count as kpipe (`--workers`; `--io-workers` for c@N,
 each count for blas), timed by the same rules (samples/s after the warm-up epochs, best
@@ -240,6 +252,81 @@ class H5Samples(H5Contiguous):
         return GrainPlan(H5Records(self.path, self.n * self.batch), self.batch, shuffle=True)
 
 
+class H5SamplesStack(H5Samples):
+    """(b-stack) workload b as users write it: each sample read and scaled, then the batch
+    stacked into a new array (`np.stack`), which the loader then hands over."""
+
+    def __getitem__(self, i):
+        f = self._file()
+        order = np.random.default_rng(self.epoch).permutation(self.n * self.batch)
+        idx = order[i * self.batch : (i + 1) * self.batch]
+        images = f["x"]
+        return np.stack([scale_image(images[j]) for j in idx]), f["y"][np.sort(idx)]
+
+
+class SmallSamples(keras.utils.PyDataset):
+    """(s) small samples: 32x32x3 uint8 images in memory, batch 256, each scaled to float32
+    in a new random order each epoch -- where the per-sample cost of a loader shows."""
+
+    torch_per_sample = True  # PyTorch's row: its DataLoader batching the records (default collate)
+
+    def __init__(self, num_images=20480, batch=256, **kw):
+        super().__init__(**kw)
+        rng = np.random.default_rng(0)
+        self.images = rng.integers(0, 256, size=(num_images, 32, 32, 3), dtype=np.uint8)
+        self.labels = rng.integers(0, 10, size=num_images).astype("int64")
+        self.batch, self.epoch = batch, 0
+
+    def __len__(self):
+        return len(self.images) // self.batch
+
+    def __getitem__(self, i):
+        order = np.random.default_rng(self.epoch).permutation(len(self) * self.batch)
+        idx = order[i * self.batch : (i + 1) * self.batch]
+        x = kpipe.empty((self.batch, 32, 32, 3), np.float32)  # numpy.empty outside kpipe workers
+        for k, j in enumerate(idx):
+            x[k] = self.images[j] * np.float32(1 / 255)
+        return x, self.labels[idx]
+
+    def on_epoch_end(self):
+        self.epoch += 1
+
+    def grain_plan(self):
+        n = len(self) * self.batch
+        return GrainPlan(SmallRecords(self.images[:n], self.labels[:n]), self.batch, shuffle=True, in_memory=True)
+
+
+class SmallRecords:
+    """(s) record `j`: image `j` scaled to float32, and its label."""
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, j):
+        return self.images[j] * np.float32(1 / 255), self.labels[j]
+
+
+class PerSample:
+    """A workload's records as the per-sample dataset of `ProcessLoader.from_samples`
+    ("kpipe-samples"): record `j`, with the workload's per-record random map applied (its
+    generator drawn from `numpy.random`, which kpipe's workers reseed for every batch)."""
+
+    def __init__(self, plan):
+        self.source, self.random_map = plan.source, plan.random_map
+
+    def __len__(self):
+        return len(self.source)
+
+    def __getitem__(self, j):
+        record = self.source[j]
+        if self.random_map is not None:
+            record = self.random_map(record, np.random.default_rng(np.random.randint(2**31)))
+        return record
+
+
 class H5SamplesFixed(H5Contiguous):
     """(b-fixed) H5Samples' reads in the order of its first epoch, every epoch, with no
     `on_epoch_end` (nothing changes between passes)."""
@@ -351,22 +438,23 @@ class H5Records:
 
     def __init__(self, path, n):
         self.path, self.n = path, n
-        self._h5 = self._y = None
+        self._h5 = self._x = self._y = None
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, j):
-        if self._h5 is None:  # (Grain's reading threads may race here: the labels go first)
+        if self._h5 is None:  # (Grain's reading threads may race here: the images and labels go first)
             import h5py
 
             f = h5py.File(self.path, "r")
             self._y = f["y"][: self.n]
+            self._x = f["x"]  # the dataset object, looked up once (a lookup per read costs ~45 us)
             self._h5 = f
-        return scale_image(self._h5["x"][j]), self._y[j]
+        return scale_image(self._x[j]), self._y[j]
 
     def __getstate__(self):
-        return {"path": self.path, "n": self.n, "_h5": None, "_y": None}
+        return {"path": self.path, "n": self.n, "_h5": None, "_x": None, "_y": None}
 
 
 class WaitRecords:
@@ -572,10 +660,16 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=
         ds = make(workers=workers, use_multiprocessing=False, max_queue_size=max_queue)
     elif kind == "keras-mp":
         ds = make(workers=workers, use_multiprocessing=True, max_queue_size=max_queue)
+    elif kind == "kpipe-samples":
+        plan = make().grain_plan()
+        inner = PerSample(plan)
     elif kind.startswith("kpipe"):
         inner = make()
     t0 = time.perf_counter()  # the dataset exists; the loader is constructed from here on
-    if kind.startswith("kpipe"):
+    if kind == "kpipe-samples":  # the per-sample form: samples written into the batch's slot
+        ds = kpipe.ProcessLoader.from_samples(inner, plan.batch_size, shuffle=plan.shuffle, seed=0, drop_remainder=True,
+                                              workers=workers, max_queue_size=max_queue)
+    elif kind.startswith("kpipe"):
         ds = kpipe.ProcessLoader(inner, workers=workers, max_queue_size=None if workers == "auto" else max_queue,
                                  use_threads=kind == "kpipe-threads", epoch_end_ahead=kind == "kpipe-ahead")
     adapter = PyDatasetAdapter(ds, shuffle=False)
@@ -718,7 +812,12 @@ def run_torch(make, epochs, workers, warmup=0, min_seconds=0):
     counts = [0, 0, None, 0]
     ds = make()
     t0 = time.perf_counter()
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True)
+    if getattr(ds, "torch_per_sample", False):  # (s): the records, batched by PyTorch as its users write it
+        plan = ds.grain_plan()
+        loader = torch.utils.data.DataLoader(plan.source, batch_size=plan.batch_size, shuffle=plan.shuffle, drop_last=True,
+                                             num_workers=workers, persistent_workers=True)
+    else:
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True)
     start = []
     try:
         for _ in _timed_epochs(counts, start, warmup, epochs, min_seconds):
@@ -854,6 +953,11 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
     with_ceiling = workers != "auto"
     has_hook = _has_epoch_hook(make())
     loaders = [k for k in loaders if k != "kpipe-ahead" or has_hook]  # the option is for epoch hooks
+    probe = make()
+    plan = probe.grain_plan() if hasattr(probe, "grain_plan") else None
+    del probe
+    if "kpipe-samples" in loaders and (plan is None or not plan.batch_size):
+        loaders = [k for k in loaders if k != "kpipe-samples"]  # its records are whole batches: no per-sample form
     runs = {kind: [] for kind in loaders}
     for _ in range(repeats):
         for kind in loaders:
@@ -1033,6 +1137,25 @@ def check_targets(rows, growth, io_workers):
         best = max(peers, key=lambda r: r["samples_per_s"])
         checks.append((f"(b) kpipe >= 2x the best peer ({best['loader']}; of {', '.join(r['loader'] for r in peers)})",
                        b_k["samples_per_s"] / best["samples_per_s"], 2.0))
+    # issue #33: batches built where they are handed over
+    b_ps = get("b", "kpipe-samples")
+    if b_ps:
+        checks.append(("(b) kpipe-samples (from_samples) >= 0.9x the in-place ceiling", b_ps["x_ceiling"], 0.9))
+        checks.append(("(b) kpipe-samples (from_samples) >= 0.9x the in-place ceiling, paired", b_ps["x_ceiling_paired"], 0.9))
+    stack = get("b-stack", "kpipe")
+    if stack:
+        checks.append(("(b-stack) kpipe >= 0.9x bare processes running the same np.stack code", stack["x_ceiling"], 0.9))
+        checks.append(("(b-stack) kpipe >= 0.9x bare processes running the same np.stack code, paired", stack["x_ceiling_paired"], 0.9))
+    s_ps, s_ceiling = get("s", "kpipe-samples"), get("s", "ceiling")
+    if s_ps and s_ceiling and (s_ps.get("cpu") or {}).get("worker_us_per_sample") and (s_ceiling.get("cpu") or {}).get("worker_us_per_sample"):
+        mine, bare = s_ps["cpu"]["worker_us_per_sample"], s_ceiling["cpu"]["worker_us_per_sample"]
+        print(f"\n(s) per-sample overhead of from_samples: the workers' CPU per sample {mine:.1f} us against {bare:.1f} us "
+              f"for the same work in place in bare processes: {mine - bare:+.1f} us per sample")
+    s_peers = [r for r in (get("s", k) for k in ("grain-loader", "grain-dataset", "torch")) if r]
+    if s_ps and s_peers:
+        best = max(s_peers, key=lambda r: r["samples_per_s"])
+        checks.append((f"(s) kpipe-samples >= 2x the best per-sample peer ({best['loader']}; of {', '.join(r['loader'] for r in s_peers)})",
+                       s_ps["samples_per_s"] / best["samples_per_s"], 2.0))
     a_k, a_mp = get("a", "kpipe"), get("a", "keras-mp")
     if a_k and a_mp:
         checks.append(("(a) kpipe >= 0.85x ceiling", a_k["x_ceiling"], 0.85))
@@ -1117,12 +1240,13 @@ def print_blas(rows):
         print("kpipe's workers' native threads (its stats): " + "; ".join(f"{w}: {t}" for w, t in threads.items() if t))
 
 
-_WORKLOADS = ("a", "b", "b-direct", "c", "blas")
+_WORKLOADS = ("a", "b", "b-stack", "b-direct", "c", "blas", "s")
 _EXTRA_WORKLOADS = ("b-fixed",)  # run only when named
 _ALL_WORKLOADS = _WORKLOADS + _EXTRA_WORKLOADS
 _PEERS = ("grain-loader", "grain-dataset", "torch", "tf.data", "keras-mp")  # for (b)'s target: the other ways to load
-_LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "kpipe-ahead", "grain-loader", "grain-dataset", "torch")
-_EPOCHS = "a=10,b=8,b-fixed=8,b-direct=30,c=2,blas=5"
+_LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "kpipe-ahead", "kpipe-samples", "grain-loader", "grain-dataset",
+            "torch")
+_EPOCHS = "a=10,b=8,b-stack=8,b-fixed=8,b-direct=30,c=2,blas=5,s=10"
 
 
 def main(argv=None):
@@ -1180,6 +1304,10 @@ def main(argv=None):
         if "b" in workloads:
             make = lambda **kw: H5Samples(path, **kw)  # noqa: E731
             rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
+        if "b-stack" in workloads:
+            make = lambda **kw: H5SamplesStack(path, **kw)  # noqa: E731
+            stack_loaders = [x for x in loaders if x != "kpipe-samples"]  # (b)'s rows have it
+            rows += measure("b-stack", make, stack_loaders, epochs["b-stack"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
         if "b-fixed" in workloads:
             make = lambda **kw: H5SamplesFixed(path, **kw)  # noqa: E731
             rows += measure("b-fixed", make, loaders, epochs["b-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
@@ -1193,6 +1321,9 @@ def main(argv=None):
             io_loaders = [x for x in loaders if x != "tf.data"] + (["kpipe-threads"] if "kpipe" in loaders else [])
             io_rows = measure(f"c@{args.io_workers}", make, io_loaders, epochs["c"], args.io_workers, max(args.max_queue_size, 2 * args.io_workers), repeats, args.warmup_epochs, warm_mb, min_seconds)
             rows += io_rows
+        if "s" in workloads:
+            make = lambda **kw: SmallSamples(num_images=int(20480 * scale), **kw)  # noqa: E731
+            rows += measure("s", make, loaders, epochs["s"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
         if "blas" in workloads:
             n = max(8, int(60 * scale))
             make = lambda **kw: Blas(n=n, **kw)  # noqa: E731

@@ -251,3 +251,20 @@ def test_blas_worker_counts_must_be_positive_integers(capsys):
             bench.main(["--blas-workers", bad])
         assert exc.value.code == 2
         assert f"--blas-workers takes comma-separated worker counts >= 1. Received: {bad}" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_bench_loaders_runs_the_per_sample_form_and_the_stacking_workload(tmp_path):
+    stdout, result = _run(tmp_path, "--workloads", "b,b-stack,s,blas", "--blas-workers", "2", "--loaders", "kpipe,kpipe-samples",
+                          "--epochs", "1", "--rss-epochs", "0", timeout=380)
+    got = {(r["workload"], r["loader"]) for r in result["rows"]}
+    # from_samples where the workload has per-sample records (b, s), not where they are whole batches (blas)
+    assert {("b", "kpipe-samples"), ("s", "kpipe-samples"), ("b-stack", "kpipe"), ("b-stack", "ceiling"), ("s", "ceiling")} <= got
+    assert ("blas@2", "kpipe-samples") not in got and ("b-stack", "kpipe-samples") not in got
+    assert all(r["samples_per_s"] > 0 for r in result["rows"])
+    for target in ("(b) kpipe-samples (from_samples) >= 0.9x the in-place ceiling",
+                   "(b-stack) kpipe >= 0.9x bare processes running the same np.stack code"):
+        assert target in stdout
+    assert "(s) per-sample overhead of from_samples" in stdout
