@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 
 from kpipe import _devices
+from kpipe._engine._ray import RayWorkers
 
 
 def check_int(name, value, minimum, fix):
@@ -112,3 +113,14 @@ def check_worker_threads(worker_threads, workers, use_threads):
             "Drop it, or use worker processes.", stacklevel=3,
         )
     return worker_threads
+
+
+def check_workers(workers, use_threads):
+    """`(count, remote)`: a worker count >= 0, or `RayWorkers(...)` (its count, and itself)."""
+    if isinstance(workers, RayWorkers):
+        if use_threads:
+            raise ValueError("`use_threads=True` runs threads in this process; it cannot go with workers=RayWorkers(...). "
+                             f"Received: workers={workers!r}, use_threads=True. Drop one of them.")
+        return workers.count, workers
+    return check_int("workers", workers, 0, "Use 0 to load batches in the calling thread, workers='auto', or "
+                     "workers=kpipe.RayWorkers(n) for Ray actors."), None

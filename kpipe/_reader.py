@@ -35,6 +35,7 @@ from kpipe import _compat, _dataset_api, _stream
 from kpipe._engine import _ahead, _tree
 from kpipe._engine._local import InlineBackend, ThreadBackend
 from kpipe._engine._pool import ProcessBackend
+from kpipe._engine._ray import RayBackend
 from kpipe._engine._position import Position
 from kpipe._engine._window import _UNSET, Window
 from kpipe.errors import LoaderClosedError
@@ -73,7 +74,7 @@ class Reader:
 
     def __init__(self, dataset, *, name, num_batches, workers, worker_threads, max_queue_size, max_queue_bytes,
                  shuffle, seed, num_shards, shard_index, start_method, use_threads, timeout, epoch_end_ahead,
-                 autoscale=None, keyed_by_pass=False):
+                 autoscale=None, keyed_by_pass=False, remote=None):
         self.lock = threading.RLock()
         self.dataset = dataset
         self.name = name
@@ -84,6 +85,7 @@ class Reader:
         self.use_threads = use_threads
         self.timeout = timeout
         self.autoscale = autoscale
+        self.remote = remote  # kpipe.RayWorkers(...): the workers are Ray actors
         self.stateful = _dataset_api.has_hooks(dataset)
         self._has_begin = _dataset_api.overrides(dataset, "on_epoch_begin")
         self.position = Position(num_batches, shuffle=shuffle, seed=seed, num_shards=num_shards, shard_index=shard_index,
@@ -406,7 +408,9 @@ class Reader:
     # ------------------------------------------------------------------ backend
     def start_backend(self):
         common = dict(mode="dataset", name=self.name)
-        if self.num_workers == 0:
+        if self.remote is not None:
+            backend = RayBackend(self.dataset, workers=self.remote, timeout=self.timeout, seed=self.position.seed, name=self.name)
+        elif self.num_workers == 0:
             backend = InlineBackend(self.dataset, **common)
         elif self.use_threads:
             backend = ThreadBackend(self.dataset, num_workers=self.num_workers, timeout=self.timeout, seed=self.position.seed, **common)

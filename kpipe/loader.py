@@ -1,8 +1,6 @@
-"""`kpipe.ProcessLoader`: any PyDataset / Sequence, loaded by worker processes.
-
-The facade: it checks the arguments, offers the `PyDataset` API, and hands the work to the
-loader's parts, which `kpipe/_reader.py` coordinates (docs/architecture.md draws them).
-"""
+"""`kpipe.ProcessLoader`: any PyDataset / Sequence, loaded by worker processes. The facade:
+it checks the arguments, offers the `PyDataset` API, and hands the work to the loader's
+parts, which `kpipe/_reader.py` coordinates (docs/architecture.md draws them)."""
 
 import operator
 import os
@@ -82,7 +80,8 @@ class ProcessLoader(keras.utils.PyDataset):
             and cgroup quota). Batches and their randomness do not depend on the
             worker count. Decisions are in `stats()["auto_decisions"]` and logged at
             INFO on the `"kpipe"` logger. Each worker process gets a thread budget
-            (`worker_threads`). Defaults to 2.
+            (`worker_threads`). `kpipe.RayWorkers(n, ...)`: n Ray actors, on other
+            hosts too (README: "Loader workers beyond one host"). Defaults to 2.
         worker_threads: Threads each worker process's native pools may use -- BLAS
             and OpenMP (NumPy's OpenBLAS, MKL, scikit-image...), OpenCV
             (`cv2.setNumThreads`) and TensorFlow's intra/inter-op pools if the dataset
@@ -210,7 +209,7 @@ class ProcessLoader(keras.utils.PyDataset):
                 max_queue_size = _args.check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")
             autoscale = _autoscale.AutoscaleDriver(max_queue_size)
             workers, max_queue_size = autoscale.start_workers, autoscale.default_max_queue_size
-        workers = _args.check_int("workers", workers, 0, "Use 0 to load batches in the calling thread, or workers='auto'.")
+        workers, remote = _args.check_workers(workers, use_threads)  # remote: kpipe.RayWorkers(...) or None
         if max_queue_size is None:
             max_queue_size = max(4, 2 * workers)
         max_queue_size = _args.check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")
@@ -243,7 +242,7 @@ class ProcessLoader(keras.utils.PyDataset):
             dataset, name=self._name, num_batches=num_batches, workers=workers, worker_threads=self.worker_threads,
             max_queue_size=max_queue_size, max_queue_bytes=max_queue_bytes, shuffle=self.shuffle, seed=self.seed,
             num_shards=num_shards, shard_index=shard_index, start_method=self.start_method, use_threads=self.use_threads,
-            timeout=timeout, epoch_end_ahead=epoch_end_ahead, autoscale=autoscale, keyed_by_pass=keyed,
+            timeout=timeout, epoch_end_ahead=epoch_end_ahead, autoscale=autoscale, keyed_by_pass=keyed, remote=remote,
         )
         _stream.register(self, self._reader)
 
@@ -482,7 +481,7 @@ class ProcessLoader(keras.utils.PyDataset):
     def __repr__(self):
         if self._reader is None:
             return "ProcessLoader(<not built>)"
-        mode = "inline" if self.num_workers == 0 else ("threads" if self.use_threads else self.start_method)
+        mode = "ray" if self._reader.remote else "inline" if self.num_workers == 0 else ("threads" if self.use_threads else self.start_method)
         auto = "auto: " if self._reader.autoscale is not None else ""
         return (
             f"ProcessLoader({self._name}, workers={auto}{self.num_workers} ({mode}), "

@@ -129,4 +129,7 @@ def test_backends_are_told_apart_by_their_capabilities_not_their_class():
 def test_modules_stay_within_the_house_size(name):
     with open(MODULES[name], encoding="utf-8") as f:
         lines = sum(1 for _ in f)
-    assert lines <= (LOADER_MAX_LINES if name == "kpipe.loader" else MAX_LINES), f"{name}: {lines} lines"
+    if name == "kpipe.loader":
+        assert lines < LOADER_MAX_LINES, f"{name}: {lines} lines"  # (the facade: under 500)
+    else:
+        assert lines <= MAX_LINES, f"{name}: {lines} lines"

@@ -1,7 +1,8 @@
 """Every backend passes the same conformance checks (the protocol in
 kpipe/_engine/_backend.py): results in any order of asking, discards, errors that keep
 their type and name their batch, a new target, close; and a capability a backend lacks
-answers with the base class's no-ops. A new backend (remote workers) joins `BACKENDS`."""
+answers with the base class's no-ops. A new backend joins `BACKENDS` (Ray's runs where Ray
+is installed: marker `ray`)."""
 
 import numpy as np
 import pytest
@@ -28,11 +29,18 @@ def _processes(target):
                           name=type(target).__name__, keep_idle=8, keep_payload=True)
 
 
-BACKENDS = {"inline": _inline, "threads": _threads, "processes": _processes}
+def _ray(target):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'kpipe[ray]')")
+    from kpipe._engine._ray import RayBackend, RayWorkers
+
+    return RayBackend(target, workers=RayWorkers(2, num_cpus=0.5), timeout=120.0, seed=0, name=type(target).__name__)
+
+
+BACKENDS = {"inline": _inline, "threads": _threads, "processes": _processes, "ray": _ray}
 CAPABILITIES = ("keeps_copy", "has_slots", "can_send_state", "can_resize", "thread_budget")
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+@pytest.fixture(params=[pytest.param(name, marks=[pytest.mark.ray] if name == "ray" else []) for name in sorted(BACKENDS)])
 def make(request):
     made = []
 
@@ -99,7 +107,7 @@ def test_capabilities_are_declared_and_absent_ones_are_no_ops(no_leaks, make):
     backend = make(Squares(n=6))
     flags = {name: getattr(backend, name) for name in CAPABILITIES}
     assert all(isinstance(v, bool) for v in flags.values())
-    assert len(backend.pids) == (2 if flags["can_resize"] else 0)
+    assert len(backend.pids) == (backend.num_workers if flags["keeps_copy"] else 0)  # one per worker process
     if not flags["has_slots"]:
         assert (backend.needs_new_slot(), backend.slots_held(), backend.slot_releases, backend.is_first_use(0)) == (False, 0, 0, False)
         assert (backend.slot_setup_s(), backend.mean_batch_s(), backend.idle_workers(), backend.prepare_slots(9)) == (0.0, 0.0, 0, 0)
