@@ -165,3 +165,25 @@ def test_bad_ray_arguments_are_refused_with_what_was_received():
         kpipe.RayWorkers(2, resources={"preprocess": 0})
     with pytest.raises(ValueError, match="cannot go with workers=RayWorkers"):
         kpipe.ProcessLoader(Squares(n=4), workers=kpipe.RayWorkers(2), use_threads=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_ray_quick_run_reports_every_row_and_its_target(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "ray.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_ray.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=560, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {(r["row"], r["arm"].split()[0]) for r in result["table"]} == {(row, arm) for row in ("b", "c", "fit") for arm in ("process", "ray")}
+    assert all(r["best"] > 0 for r in result["table"])
+    assert [c[0].split(")")[0] for c in result["checks"]] == ["(b", "(c", "(fit"]
+    c_actors = [r for r in result["results"] if r["row"] == "c" and r["arm"].startswith("ray")]
+    assert all(len(r["actor_nodes"]) == 2 for r in c_actors)  # spread over the two "io" nodes

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""The Ray backend against kpipe's shared-memory process workers, side by side in one run
+(issue #32): `ProcessLoader(dataset, workers=2)` vs `workers=kpipe.RayWorkers(...)`.
+
+Rows (samples/s over whole epochs after one untimed epoch, best of `--rounds`, taken in
+rounds; every batch received and one value per 4 KiB page read, as scripts/bench_loaders.py
+does):
+
+  b        workload (b) of bench_loaders (224x224x3 HDF5 images, one read per sample,
+           float32, 77 MB batches) on one node: 2 process workers vs 2 Ray actors on this
+           node. Ray's actors return the batch through its object store (a copy into
+           shared memory in the actor; read without a copy here), where kpipe's workers
+           write it into a shared-memory slot.
+  c        5 ms of waiting per sample (I/O), batch 32: 2 local process workers vs 16 Ray
+           actors spread over 2 Ray nodes simulated on this machine
+           (`ray.cluster_utils.Cluster`, 8 CPUs' worth of actors each). Waiting costs no
+           CPU, so simulated nodes show the scaling honestly; the target is 0.9 x 8 x the
+           2 local workers.
+  fit      `model.fit()` on 1.5 MB batches (128 x 64 x 64 x 3 uint8) and a near-free
+           model: steps/s of the best epoch, 2 process workers vs 2 Ray actors.
+
+    python scripts/bench_ray.py                      # all rows
+    python scripts/bench_ray.py --rows c --json ray.json
+    python scripts/bench_ray.py --quick              # a smoke test, not a measurement
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _bench  # noqa: E402
+import bench_loaders  # noqa: E402
+
+import kpipe  # noqa: E402
+
+_ROWS = ("b", "c", "fit")
+
+
+def rate(loader, epochs):
+    """Samples/s of `epochs` whole passes after one untimed pass (every page read)."""
+    counts = [0, 0, None, 0]
+    bench_loaders.consume((loader[i] for i in range(len(loader))), counts)
+    loader.on_epoch_end()
+    counts[:] = [0, 0, None, 0]
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        bench_loaders.consume((loader[i] for i in range(len(loader))), counts)
+        loader.on_epoch_end()
+    return counts[1] / (time.perf_counter() - t0)
+
+
+class Images:
+    """(fit) 1.5 MB uint8 batches held in memory, 16 distinct, served round-robin."""
+
+    def __init__(self, steps, batch=128):
+        rng = np.random.default_rng(0)
+        self.x = rng.integers(0, 256, size=(16, batch, 64, 64, 3), dtype=np.uint8)
+        self.y = rng.integers(0, 10, size=(16, batch)).astype("int64")
+        self.steps = steps
+
+    def __len__(self):
+        return self.steps
+
+    def __getitem__(self, i):
+        return self.x[i % 16], self.y[i % 16]
+
+
+def fit_rate(make_loader, steps, epochs):
+    import keras
+
+    model = keras.Sequential([keras.Input((64, 64, 3), dtype="uint8"), keras.layers.Cropping2D(30),
+                              keras.layers.Flatten(), keras.layers.Dense(10)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rates = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            rates.append(steps / (time.perf_counter() - self.t0))
+
+    with make_loader() as loader:
+        model.fit(loader, epochs=1 + epochs, verbose=0, callbacks=[Timer()])
+    return max(rates[1:])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(_ROWS), help=f"comma-separated subset of {','.join(_ROWS)}. Default: all")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every arm, in rounds; the best counts. Default: 2")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke test, not a measurement)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    rows = _bench.parse_names(parser, "--rows", args.rows, _ROWS)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1. Received: {args.rounds}")
+    rounds = 1 if args.quick else args.rounds
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # the head node is this process's (its object store is read without a copy here); "head"
+    # pins actors to it, "io" to the two other nodes
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 2}})
+    nodes = [cluster.add_node(num_cpus=8, resources={"io": 8}) for _ in range(2)] if "c" in rows else []
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    results, tmpdir = [], tempfile.mkdtemp(prefix="kpipe-bench-ray-")
+    try:
+        if "b" in rows:
+            path = bench_loaders.make_h5(os.path.join(tmpdir, "images.h5"), 40 if args.quick else 300)
+            arms = {"process workers=2": lambda: kpipe.ProcessLoader(bench_loaders.H5Samples(path), workers=2),
+                    "ray actors=2 (this node)": lambda: kpipe.ProcessLoader(
+                        bench_loaders.H5Samples(path), workers=kpipe.RayWorkers(2, resources={"head": 1}))}
+            results += _compare("b", arms, 1 if args.quick else 3, rounds)
+        if "c" in rows:
+            n = 8 if args.quick else 48
+            arms = {"process workers=2": lambda: kpipe.ProcessLoader(bench_loaders.Waits(n=n), workers=2),
+                    "ray actors=16 (2 nodes)": lambda: kpipe.ProcessLoader(
+                        bench_loaders.Waits(n=n), workers=kpipe.RayWorkers(16, num_cpus=1, resources={"io": 1}))}
+            results += _compare("c", arms, 1 if args.quick else 3, rounds)
+        if "fit" in rows:
+            steps = 8 if args.quick else 64
+            arms = {"process workers=2": lambda: kpipe.ProcessLoader(Images(steps), workers=2),
+                    "ray actors=2 (this node)": lambda: kpipe.ProcessLoader(Images(steps), workers=kpipe.RayWorkers(2, num_cpus=0.5, resources={"head": 1}))}
+            for _ in range(rounds):
+                for arm, make in arms.items():
+                    results.append({"row": "fit", "arm": arm, "rate": fit_rate(make, steps, 1 if args.quick else 3), "unit": "steps/s"})
+                    print(f"  fit: {arm:<26} {results[-1]['rate']:10.1f} steps/s", flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        for name in os.listdir(tmpdir):
+            os.unlink(os.path.join(tmpdir, name))
+        os.rmdir(tmpdir)
+    table = _summary(results)
+    print()
+    columns = [("row", "<6", ""), ("arm", "<28", ""), ("best", ">12", ".1f"), ("unit", ">11", ""), ("x process", ">11", ".2f")]
+    _bench.print_table(columns, [[r[title] for title, _, _ in columns] for r in table])
+    checks = _checks(table)
+    print("\nTargets:")
+    bench_loaders.print_checks(checks)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "table": table, "checks": checks, "nodes": [n.node_id for n in nodes]}, f, indent=2)
+    return 0
+
+
+def _compare(row, arms, epochs, rounds):
+    out = []
+    for _ in range(rounds):
+        for arm, make in arms.items():
+            with make() as loader:
+                value = rate(loader, epochs)
+                extra = {}
+                backend = getattr(kpipe._stream.source_of(loader), "backend", None)
+                if hasattr(backend, "nodes"):
+                    extra["actor_nodes"] = sorted(set(backend.nodes()))
+            out.append({"row": row, "arm": arm, "rate": value, "unit": "samples/s", **extra})
+            print(f"  {row}: {arm:<26} {value:10.1f} samples/s" + (f"  (actors on {len(extra['actor_nodes'])} nodes)" if extra else ""),
+                  flush=True)
+    return out
+
+
+def _summary(results):
+    table = []
+    for row in dict.fromkeys(r["row"] for r in results):
+        runs = [r for r in results if r["row"] == row]
+        base = max(r["rate"] for r in runs if r["arm"].startswith("process"))
+        for arm in dict.fromkeys(r["arm"] for r in runs):
+            best = max(r["rate"] for r in runs if r["arm"] == arm)
+            table.append({"row": row, "arm": arm, "best": best, "unit": runs[0]["unit"], "x process": best / base})
+    return table
+
+
+def _checks(table):
+    def x(row, prefix):
+        return next((r["x process"] for r in table if r["row"] == row and r["arm"].startswith(prefix)), None)
+
+    checks = []
+    if x("b", "ray") is not None:
+        checks.append(("(b) Ray actors on the same node >= 0.8x the shared-memory process workers", x("b", "ray"), 0.8))
+    if x("c", "ray") is not None:
+        checks.append(("(c) 16 Ray actors on 2 nodes >= 0.9 x 8 x 2 local workers", x("c", "ray") / 8, 0.9))
+    if x("fit", "ray") is not None:
+        checks.append(("(fit) steps/s from Ray actors >= 0.8x from process workers", x("fit", "ray"), 0.8))
+    return checks
+
+
+if __name__ == "__main__":
+    sys.exit(main())
