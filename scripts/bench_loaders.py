@@ -296,19 +296,6 @@ class SmallSamples(keras.utils.PyDataset):
         return GrainPlan(SmallRecords(self.images[:n], self.labels[:n]), self.batch, shuffle=True, in_memory=True)
 
 
-class SmallRecords:
-    """(s) record `j`: image `j` scaled to float32, and its label."""
-
-    def __init__(self, images, labels):
-        self.images, self.labels = images, labels
-
-    def __len__(self):
-        return len(self.images)
-
-    def __getitem__(self, j):
-        return self.images[j] * np.float32(1 / 255), self.labels[j]
-
-
 class PerSample:
     """A workload's records as the per-sample dataset of `ProcessLoader.from_samples`
     ("kpipe-samples"): record `j`, with the workload's per-record random map applied (its
@@ -418,6 +405,14 @@ class AugmentRecords:
 
     def __getitem__(self, j):
         return self.images[j], self.labels[j]
+
+
+class SmallRecords(AugmentRecords):
+    """(s) record `j`: image `j` scaled to float32, and its label."""
+
+    def __getitem__(self, j):
+        image, label = super().__getitem__(j)
+        return image * np.float32(1 / 255), label
 
 
 class AugmentMap:
