@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 
 from kpipe import _devices
+from kpipe._engine import _autoscale
 from kpipe._engine._ray import RayWorkers
 
 
@@ -115,12 +116,33 @@ def check_worker_threads(worker_threads, workers, use_threads):
     return worker_threads
 
 
-def check_workers(workers, use_threads):
-    """`(count, remote)`: a worker count >= 0, or `RayWorkers(...)` (its count, and itself)."""
+def autoscale_for(workers, max_queue_size, start_method, use_threads):
+    """`(AutoscaleDriver or None, max_queue_size)`: the controller of `workers="auto"` (or
+    `RayWorkers("auto")`), and the default `max_queue_size` it implies."""
+    remote_auto = isinstance(workers, RayWorkers) and workers.count == "auto"
+    if not remote_auto and not (isinstance(workers, str) and workers == "auto"):
+        return None, max_queue_size
+    if remote_auto:
+        if use_threads:
+            check_workers(workers, use_threads)  # (raises: Ray actors are not threads)
+    else:
+        _autoscale.AutoscaleDriver.check_arguments(start_method, use_threads)
+    if max_queue_size is not None:
+        max_queue_size = check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")
+    autoscale = (_autoscale.AutoscaleDriver.for_remote(workers.max_count, max_queue_size) if remote_auto
+                 else _autoscale.AutoscaleDriver(max_queue_size))
+    return autoscale, autoscale.default_max_queue_size
+
+
+def check_workers(workers, use_threads, autoscale=None):
+    """`(count, remote)`: a worker count >= 0, or `RayWorkers(...)` (its count -- with
+    `"auto"`, the controller's first count -- and itself)."""
+    if isinstance(workers, str) and workers == "auto" and autoscale is not None:
+        return autoscale.start_workers, None
     if isinstance(workers, RayWorkers):
         if use_threads:
             raise ValueError("`use_threads=True` runs threads in this process; it cannot go with workers=RayWorkers(...). "
                              f"Received: workers={workers!r}, use_threads=True. Drop one of them.")
-        return workers.count, workers
+        return (autoscale.start_workers if workers.count == "auto" else workers.count), workers
     return check_int("workers", workers, 0, "Use 0 to load batches in the calling thread, workers='auto', or "
                      "workers=kpipe.RayWorkers(n) for Ray actors."), None

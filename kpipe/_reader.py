@@ -409,7 +409,9 @@ class Reader:
     def start_backend(self):
         common = dict(mode="dataset", name=self.name)
         if self.remote is not None:
-            backend = RayBackend(self.dataset, workers=self.remote, timeout=self.timeout, seed=self.position.seed, name=self.name)
+            backend = RayBackend(self.dataset, workers=self.remote, timeout=self.timeout, seed=self.position.seed, name=self.name,
+                                 num_workers=self.num_workers, worker_threads=self.worker_threads,
+                                 max_workers=self.autoscale.max_workers if self.autoscale else None)
         elif self.num_workers == 0:
             backend = InlineBackend(self.dataset, **common)
         elif self.use_threads:
@@ -430,6 +432,7 @@ class Reader:
             )
         self.window.backend = backend
         if self.autoscale is not None and backend.can_resize:
+            self.autoscale.fit_to(backend)  # (workers on other machines: the cluster's CPUs)
             self.autoscale.reset()
             self._maybe_autoscale()  # the first window opens as the workers start
 

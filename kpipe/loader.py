@@ -8,7 +8,7 @@ import os
 import keras
 
 from kpipe import _args, _dataset_api, _keras_hook, _reader, _samples, _stream, _tf_dataset
-from kpipe._engine import _autoscale, _threads
+from kpipe._engine import _threads
 
 _DEFAULT_TIMEOUT_S = 120.0
 
@@ -81,7 +81,8 @@ class ProcessLoader(keras.utils.PyDataset):
             worker count. Decisions are in `stats()["auto_decisions"]` and logged at
             INFO on the `"kpipe"` logger. Each worker process gets a thread budget
             (`worker_threads`). `kpipe.RayWorkers(n, ...)`: n Ray actors, on other
-            hosts too (README: "Loader workers beyond one host"). Defaults to 2.
+            hosts too, or `RayWorkers("auto")` sized the same way within what the
+            cluster can place (README: "Loader workers beyond one host"). Defaults to 2.
         worker_threads: Threads each worker process's native pools may use -- BLAS
             and OpenMP (NumPy's OpenBLAS, MKL, scikit-image...), OpenCV
             (`cv2.setNumThreads`) and TensorFlow's intra/inter-op pools if the dataset
@@ -150,7 +151,7 @@ class ProcessLoader(keras.utils.PyDataset):
             arrays, unchanged), else they are loaded again. So the hook runs twice per
             pass: use it only for hooks that change nothing but the dataset (a
             reshuffle, an epoch counter) -- what it prints appears twice. With worker
-            processes only. `stats()["ahead"]` counts passes `kept`, `missed` and
+            processes and Ray actors only. `stats()["ahead"]` counts passes `kept`, `missed` and
             `skipped`; the NOTE in `kpipe/_engine/_ahead.py` has the details.
             Defaults to False.
 
@@ -202,14 +203,8 @@ class ProcessLoader(keras.utils.PyDataset):
         self._reader = None  # (close() and repr() work on a loader whose construction failed)
         if not isinstance(epoch_end_ahead, bool):
             raise TypeError(f"`epoch_end_ahead` must be True or False. Received: epoch_end_ahead={epoch_end_ahead!r}.")
-        autoscale = None
-        if isinstance(workers, str) and workers == "auto":
-            _autoscale.AutoscaleDriver.check_arguments(start_method, use_threads)
-            if max_queue_size is not None:
-                max_queue_size = _args.check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")
-            autoscale = _autoscale.AutoscaleDriver(max_queue_size)
-            workers, max_queue_size = autoscale.start_workers, autoscale.default_max_queue_size
-        workers, remote = _args.check_workers(workers, use_threads)  # remote: kpipe.RayWorkers(...) or None
+        autoscale, max_queue_size = _args.autoscale_for(workers, max_queue_size, start_method, use_threads)  # "auto"
+        workers, remote = _args.check_workers(workers, use_threads, autoscale)  # remote: kpipe.RayWorkers(...) or None
         if max_queue_size is None:
             max_queue_size = max(4, 2 * workers)
         max_queue_size = _args.check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")

@@ -279,3 +279,24 @@ class MallocEnv:
         from kpipe._engine._procs import WORKER_ENV
 
         return np.array([os.environ.get(k) == v for k, v in WORKER_ENV.items()])
+
+
+class Versioned:
+    """Batch i is `[version * 100 + i]`. With `gate` (a path), batch 0 first writes
+    `gate + ".inside"` and then waits until `gate` exists (60 s at most): the test knows
+    the loading process is inside `__getitem__` and decides when it may go on."""
+
+    def __init__(self, version=0, gate=None, n=4):
+        self.version, self.gate, self.n = version, gate, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.gate is not None and i == 0:
+            with open(self.gate + ".inside", "w"):
+                pass
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return np.array([self.version * 100 + i])

@@ -26,14 +26,15 @@ def _threads(target):
 
 def _processes(target):
     return ProcessBackend(target, num_workers=2, mode="dataset", start_method="forkserver", timeout=60.0, seed=0,
-                          name=type(target).__name__, keep_idle=8, keep_payload=True)
+                          name=type(target).__name__, keep_idle=8, keep_payload=True, max_workers=3)
 
 
 def _ray(target):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'kpipe[ray]')")
     from kpipe._engine._ray import RayBackend, RayWorkers
 
-    return RayBackend(target, workers=RayWorkers(2, num_cpus=0.5), timeout=120.0, seed=0, name=type(target).__name__)
+    return RayBackend(target, workers=RayWorkers(2, num_cpus=0.5), timeout=120.0, seed=0, name=type(target).__name__,
+                      max_workers=3)
 
 
 BACKENDS = {"inline": _inline, "threads": _threads, "processes": _processes, "ray": _ray}
@@ -121,3 +122,32 @@ def test_capabilities_are_declared_and_absent_ones_are_no_ops(no_leaks, make):
     if flags["keeps_copy"]:
         payload, keys = backend.current_state()
         assert isinstance(payload, bytes) and keys == []
+
+
+def test_a_state_sent_without_waiting_serves_the_tasks_after_it(no_leaks, make):
+    backend = make(Squares(n=6))
+    if not backend.can_send_state:
+        pytest.skip("this backend does not declare can_send_state")
+    before = backend.submit(0)
+    payload, keys, _ = backend.dump(Squares(n=6, batch=2))
+    backend.send_state(payload, keys)
+    after = backend.submit(0)
+    assert backend.get(after)[0][0].shape == (2, 1) and backend.get(before)[0][0].shape == (4, 1)
+
+
+def test_workers_added_and_retired_while_tasks_run(no_leaks, make):
+    backend = make(Squares(n=12))
+    if not backend.can_resize:
+        pytest.skip("this backend does not declare can_resize")
+    first = [backend.submit(i) for i in range(4)]
+    backend.add_worker(1)
+    assert backend.num_workers == 3
+    with pytest.raises(ValueError, match="Cannot run more than"):
+        backend.add_worker(1)  # (its most workers: 3)
+    more = [backend.submit(i) for i in range(4, 8)]
+    assert backend.retire_worker() is not None and backend.num_workers == 2
+    last = [backend.submit(i) for i in range(8, 12)]
+    got = [backend.get(seq)[0] for seq in first + more + last]
+    assert all(_equal(g, Squares(n=12)[i]) for i, g in enumerate(got))
+    assert backend.retire_worker() is not None and backend.retire_worker() is None  # never the last one
+    assert backend.num_workers == 1 and _equal(backend.get(backend.submit(3))[0], Squares(n=12)[3])

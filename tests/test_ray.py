@@ -16,16 +16,18 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kpip
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import kpipe  # noqa: E402
-from _datasets import Failing, Squares  # noqa: E402
+from _ahead_datasets import Reshuffles  # noqa: E402
+from _datasets import Failing, InSlot, MallocEnv, Squares, Stalls, Versioned  # noqa: E402
 from conftest import reader_of  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.multiprocess, pytest.mark.timeout(300)]
-TAGGED = {"preprocess": 1}
+TAGGED = {"preprocess": 1}  # actors on the two other nodes: batches through the object store
+HERE = {"trainer": 1}  # actors on this process's node: batches in shared-memory slots
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"trainer": 2}})
     nodes = [cluster.add_node(num_cpus=2, resources={"preprocess": 2}) for _ in range(2)]
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     yield cluster, nodes
@@ -78,15 +80,56 @@ def test_fit_takes_the_batches_plain_keras_takes(cluster):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-def test_a_killed_actor_is_replaced_and_every_batch_arrives_once_in_order(cluster):
-    with kpipe.ProcessLoader(Squares(n=12), workers=kpipe.RayWorkers(2, resources=TAGGED), shuffle=True, seed=7) as loader:
-        got = [_ids(loader[i]) for i in range(3)]
+@pytest.mark.parametrize("where", ["other nodes", "this node"])
+def test_a_killed_actor_is_replaced_and_every_batch_arrives_once_in_order(cluster, where):
+    spec = kpipe.RayWorkers(2, resources=TAGGED) if where == "other nodes" else kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE)
+    with kpipe.ProcessLoader(Squares(n=12), workers=spec, shuffle=True, seed=7) as loader:
+        held = loader[0]
+        got = [_ids(held)] + [_ids(loader[i]) for i in range(1, 3)]
         pids = loader.stats()["pids"]
         os.kill(pids[0], signal.SIGKILL)  # mid-pass, with batches queued on it
         got += [_ids(loader[i]) for i in range(3, 12)]
         got += [_ids(loader[i]) for i in range(12)]
         assert loader.stats()["pids"][0] != pids[0]
+        assert _ids(held) == got[0]  # a batch held across its actor's death is intact
     assert got == _reference(12, 2, shuffle=True, seed=7)
+
+
+def test_actors_on_this_node_hand_batches_over_in_shared_memory_slots_they_reuse(cluster):
+    with kpipe.ProcessLoader(Squares(n=8), workers=kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE),
+                             shuffle=True, seed=6) as loader:
+        backend = reader_of(loader).backend
+        held = [loader[i] for i in range(8)]  # a whole pass held at once: 8 slots
+        assert backend.slots_reachable and backend.local_slots() >= 8
+        assert all(b[0].flags.writeable for b in held)  # (object-store arrays are read-only)
+        got = [_ids(b) for b in held]
+        del held
+        for _ in range(3):  # one batch held at a time: the released slots are reused
+            loader.on_epoch_end()
+            got += [_ids(loader[i]) for i in range(8)]
+        slots = backend.local_slots()
+    assert got == _reference(8, 4, shuffle=True, seed=6)
+    assert slots <= 8 + loader.max_queue_size  # the held pass and what was in flight, not 8 more per pass
+
+
+def test_a_slot_this_process_cannot_open_falls_back_to_the_object_store(cluster, monkeypatch, caplog):
+    import logging
+
+    real_open = os.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+
+    caplog.set_level(logging.WARNING, logger="kpipe")
+    monkeypatch.setattr(os, "open", no_proc)
+    with kpipe.ProcessLoader(Squares(n=6), workers=kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE)) as loader:
+        got = [_ids(loader[i]) for i in range(6)] + [_ids(loader[i]) for i in range(6)]
+        backend = reader_of(loader).backend
+        assert not backend.slots_reachable and backend.local_slots() == 0
+    assert got == list(range(6)) * 2
+    assert sum("cannot open the shared memory" in r.getMessage() for r in caplog.records) == 1  # said once
 
 
 def test_a_removed_node_moves_its_actors_and_loading_goes_on(cluster):
@@ -121,6 +164,139 @@ def test_a_state_saved_with_local_workers_restores_on_ray_and_back(cluster):
         local.restore(state)
         got += [_ids(local[i]) for i in range(3, 8)]
     assert got == full
+
+
+def _passes(loader, passes):
+    """Every batch of `passes` passes as lists, with `on_epoch_end()` after each (a manual loop)."""
+    out = []
+    for _ in range(passes):
+        out += [loader[i].tolist() for i in range(len(loader))]
+        loader.on_epoch_end()
+    return out
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_epoch_end_ahead_on_actors_loads_what_local_workers_load(cluster, shuffle):
+    with kpipe.ProcessLoader(Reshuffles(n=6), workers=2, seed=5, shuffle=shuffle) as local:
+        want = _passes(local, 4)
+    with kpipe.ProcessLoader(Reshuffles(n=6), workers=kpipe.RayWorkers(2), seed=5, shuffle=shuffle,
+                             epoch_end_ahead=True) as remote:
+        got = _passes(remote, 4)
+        ahead = remote.stats()["ahead"]
+    assert got == want
+    assert [row[0] for row in got] == [p for p in range(4) for _ in range(6)]  # each pass after its hook
+    assert ahead["kept"] >= 3 and ahead["missed"] == ahead["skipped"] == 0 and ahead["off"] is None
+
+
+def test_a_replaced_actor_loads_each_batch_under_the_state_it_was_submitted_under(cluster, tmp_path):
+    from kpipe._engine._ray import RayBackend
+
+    gate = str(tmp_path / "gate")
+    backend = RayBackend(Versioned(0, gate), workers=kpipe.RayWorkers(1), timeout=120, seed=0, name="versioned")
+    try:
+        seqs = [backend.submit(0), backend.submit(1)]
+        backend.send_state(*backend.dump(Versioned(1, gate))[:2])  # queued behind them, not waited for
+        seqs += [backend.submit(2), backend.submit(3)]
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate + ".inside") and time.monotonic() < deadline:  # batch 0 is loading
+            time.sleep(0.01)
+        victim = backend.pids[0]
+        os.kill(victim, signal.SIGKILL)  # four tasks pending, under two states
+        open(gate, "w").close()
+        got = [int(backend.get(seq)[0][0]) for seq in seqs]
+        assert backend.pids[0] != victim
+        assert got == [0, 1, 102, 103]
+        backend.submit(0)  # the replacement ends on the newest state
+        assert int(backend.get(4)[0][0]) == 100
+    finally:
+        backend.close()
+
+
+def test_each_actor_limits_its_thread_pools_to_its_cpus(cluster):
+    for num_cpus, threads, want in ((1, None, 1), (0.5, None, 1), (1, 2, 2)):
+        with kpipe.ProcessLoader(Squares(n=4), workers=kpipe.RayWorkers(2, num_cpus=num_cpus),
+                                 worker_threads=threads) as loader:
+            loader[0]
+            stats = loader.stats()
+        assert stats["worker_threads"] == want
+        reports = stats["worker_thread_pools"]
+        assert [r["worker"] for r in reports] == [0, 1] and [r["pid"] for r in reports] == stats["pids"]
+        assert all(r["threads"] == want and r["not_limited"] == [] for r in reports), reports
+        assert all(p["threads"] <= want for r in reports for p in r["pools"]), reports
+
+
+def test_as_dataset_and_the_profiler_read_actors_like_local_workers(cluster):
+    import keras
+
+    from kpipe.callbacks import InputProfiler
+
+    with kpipe.ProcessLoader(Squares(n=5), workers=kpipe.RayWorkers(2), shuffle=True, seed=2) as loader:
+        got = [_ids(batch) for _ in range(2) for batch in loader.as_dataset().as_numpy_iterator()]
+    assert got == _reference(5, 2, shuffle=True, seed=2)
+
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    profiler = InputProfiler(warn_above=None)
+    with kpipe.ProcessLoader(Squares(n=10, batch=4, last=3), workers=kpipe.RayWorkers(2)) as loader:
+        history = model.fit(loader, epochs=2, verbose=0, callbacks=[profiler])
+        assert loader.stats()["loads"] == 20
+    assert len(history.history["samples_per_sec"]) == 2
+    assert profiler.epochs[1]["steps"] == 10 and profiler.epochs[1]["samples"] == 39
+
+
+def test_auto_adds_actors_up_to_what_the_cluster_places_and_retires_them_when_the_consumer_slows(cluster):
+    from conftest import gone
+
+    _, nodes = cluster
+    n = 40
+    with kpipe.ProcessLoader(Stalls(n=n, every=1, stall_s=0.03), workers=kpipe.RayWorkers("auto", resources=TAGGED)) as loader:
+        backend = reader_of(loader).backend
+        assert backend.capacity() == (4.0, 4)  # 2 nodes x {"preprocess": 2, CPU: 2}; the head has no "preprocess"
+        assert loader.num_workers == 2 and loader.stats()["cpu_limit"] == 4.0
+
+        def decided(grew):
+            return [d for d in loader.stats()["auto_decisions"] if (d["workers_to"] > d["workers_from"]) == grew]
+
+        got, want, seen, pause, deadline = [], [], set(), 0.0, time.monotonic() + 120
+        while not (decided(True) and decided(False)) and time.monotonic() < deadline:
+            for i in range(n):  # I/O-bound batches: a fast consumer waits, then a slow one does not
+                got.append(int(loader[i][0, 0]))
+                want.append(i)
+                time.sleep(pause)
+            loader.on_epoch_end()
+            seen |= set(loader.stats()["pids"])
+            if decided(True) and len(loader.stats()["pids"]) == 4:  # the added actors started and took tasks
+                assert loader.num_workers == 4
+                pause = 0.1
+        grown, retired = decided(True)[0], decided(False)[0]
+        assert (grown["workers_from"], grown["workers_to"]) == (2, 4) and retired["workers_to"] < 4
+        for i in range(n):  # the retired actors' last batches arrive; then they are stopped
+            got.append(int(loader[i][0, 0]))
+            want.append(i)
+            time.sleep(pause)  # (still the slow consumer)
+        pids_left = loader.stats()["pids"]
+        assert len(pids_left) == loader.num_workers < 4
+        assert set(backend.nodes()) <= {node.node_id for node in nodes}
+        stopped = [pid for pid in seen if pid not in pids_left]
+    assert got == want  # every batch once per pass, in order, at every actor count
+    assert stopped and gone(stopped)
+
+
+def test_kpipe_empty_batches_held_together_stay_whole_and_actors_get_the_allocator_settings(cluster):
+    with kpipe.ProcessLoader(InSlot(), workers=kpipe.RayWorkers(2)) as loader:
+        held = [loader[i] for i in range(6)] + [loader[i] for i in range(6)]  # the actors' buffers reused 6 times
+    with kpipe.ProcessLoader(MallocEnv(), workers=kpipe.RayWorkers(1)) as env_loader:
+        settings = env_loader[0].tolist()
+    for k, (big, row, strided, tail, small) in enumerate(held):
+        i = k % 6
+        want = np.full((3, 1000), i, "int32")
+        want[1] += 1
+        np.testing.assert_array_equal(big, want)
+        np.testing.assert_array_equal(row, want[1])
+        np.testing.assert_array_equal(strided, want[:, ::7])
+        np.testing.assert_array_equal(tail, np.arange(5) * i)
+        np.testing.assert_array_equal(small, np.full(3, i, "uint8"))
+    assert settings == [True, True, True]  # MALLOC_MMAP_THRESHOLD_, _TRIM_THRESHOLD_, _MMAP_MAX_
 
 
 def test_a_dataset_exception_keeps_its_type_and_names_the_batch(cluster):
@@ -159,8 +335,14 @@ def test_dropped_and_closed_loaders_leave_no_actor(cluster):
 
 
 def test_bad_ray_arguments_are_refused_with_what_was_received():
-    with pytest.raises(ValueError, match=r"`count` must be an int >= 1 \(actors\). Received: count=0"):
+    with pytest.raises(ValueError, match=r"`count` must be an int >= 1 \(actors\) or 'auto'. Received: count=0"):
         kpipe.RayWorkers(0)
+    with pytest.raises(ValueError, match=r"`count` must be an int >= 1 \(actors\) or 'auto'. Received: count='many'"):
+        kpipe.RayWorkers("many")
+    with pytest.raises(ValueError, match=r"`max_count` bounds count='auto' and must be an int >= 1. Received: count=2, max_count=3"):
+        kpipe.RayWorkers(2, max_count=3)
+    with pytest.raises(ValueError, match=r"Received: count='auto', max_count=0"):
+        kpipe.RayWorkers("auto", max_count=0)
     with pytest.raises(ValueError, match=r"`resources` must map resource names to positive amounts"):
         kpipe.RayWorkers(2, resources={"preprocess": 0})
     with pytest.raises(ValueError, match="cannot go with workers=RayWorkers"):
@@ -184,6 +366,8 @@ def test_bench_ray_quick_run_reports_every_row_and_its_target(tmp_path):
     result = json.loads(out.read_text())
     assert {(r["row"], r["arm"].split()[0]) for r in result["table"]} == {(row, arm) for row in ("b", "c", "fit") for arm in ("process", "ray")}
     assert all(r["best"] > 0 for r in result["table"])
+    assert [r["arm"] for r in result["table"] if r["row"] == "b"] == [
+        "process workers=2", "ray actors=2 (this node)", "ray actors=2 (object store)"]
     assert [c[0].split(")")[0] for c in result["checks"]] == ["(b", "(c", "(fit"]
     c_actors = [r for r in result["results"] if r["row"] == "c" and r["arm"].startswith("ray")]
     assert all(len(r["actor_nodes"]) == 2 for r in c_actors)  # spread over the two "io" nodes

@@ -120,7 +120,8 @@ def run_hook_on_copy(payload, shared, *, call_hooks, num_batches, what):
 
     Args:
         payload: The `dumps` bytes the workers hold now.
-        shared: The backend's `SharedArrays`.
+        shared: The backend's `SharedArrays`, or None where the workers hold no shared
+            arrays (Ray actors: the payload carries the arrays).
         call_hooks: `call_hooks(dataset)` runs its on_epoch_end (and on_epoch_begin).
         num_batches: `num_batches(dataset)` reads its length.
         what: How to name the dataset in messages.
@@ -131,9 +132,9 @@ def run_hook_on_copy(payload, shared, *, call_hooks, num_batches, what):
     Raises:
         NotAhead: the copy cannot stand for the real dataset this pass.
     """
-    arrays = _ReadOnlyArrays(shared)
+    arrays = _ReadOnlyArrays(shared) if shared is not None else None  # None: arrays travel in the payload
     try:
-        copy = _pickling.loads(payload, arrays)
+        copy = _pickling.loads(payload, arrays if arrays is not None else {})
     except Exception as exc:
         raise NotAhead(f"the dataset could not be rebuilt here: {type(exc).__name__}: {exc}") from None
     states = random.getstate(), np.random.get_state()
@@ -150,7 +151,7 @@ def run_hook_on_copy(payload, shared, *, call_hooks, num_batches, what):
         random.setstate(states[0])
         np.random.set_state(states[1])
     try:
-        out, keys = _pickling.dumps(copy, _Aliases(shared, arrays.ids), what=what)
+        out, keys = _pickling.dumps(copy, _Aliases(shared, arrays.ids) if arrays is not None else None, what=what)
     except Exception as exc:
         if isinstance(exc.__cause__, NotAhead):  # dumps wraps what persistent_id raises
             raise exc.__cause__ from None

@@ -52,6 +52,12 @@ whose wall time a burst of stolen or page-fault time inflated from a partly I/O-
 for a clearly I/O-bound dataset (c < b' / 2); later windows use the measured share.
 The data order and each batch's randomness do not depend on the worker count (plans and
 per-batch seeds are keyed on (seed, pass, position)), so changing it changes no batch.
+
+Workers on other machines (Ray actors, `RayWorkers("auto")`): `limit` is the CPUs the
+cluster's nodes offer the actors (`RayBackend.capacity()`), and the consumer's CPU is its
+own machine's, so the rate is R = min(1/s, limit / c, main_limit / m); the hypervisor's
+stolen time is not read (f = 0: this machine's /proc/stat says nothing of theirs), and
+`max_workers` is also what the cluster can place.
 """
 
 import dataclasses
@@ -146,9 +152,13 @@ class AutoScaler:
             which the caller opens when the workers start and which has no shortest
             length: their start-up and first batches already tell an I/O-bound dataset
             (add workers at once) from a CPU-bound one. Defaults to 2.
+        main_cpu_limit: CPUs of the consumer's machine where the workers run on others
+            (`cpu_limit` is then theirs). Defaults to None: workers and consumer share
+            `cpu_limit`.
     """
 
-    def __init__(self, cpu_limit, max_workers, *, interval_s=0.25, min_batches=4, first_min_batches=2):
+    def __init__(self, cpu_limit, max_workers, *, interval_s=0.25, min_batches=4, first_min_batches=2,
+                 main_cpu_limit=None):
         if not cpu_limit > 0:
             raise ValueError(f"`cpu_limit` must be > 0. Received: cpu_limit={cpu_limit!r}.")
         if max_workers < 1:
@@ -158,6 +168,7 @@ class AutoScaler:
                              f"first_min_batches={first_min_batches!r}.")
         self.cpu_limit = float(cpu_limit)
         self.max_workers = int(max_workers)
+        self.main_cpu_limit = None if main_cpu_limit is None else float(main_cpu_limit)
         self.interval_s = float(interval_s)
         self.min_batches = int(min_batches)
         self.first_min_batches = int(first_min_batches)
@@ -203,7 +214,10 @@ class AutoScaler:
         c = cpu / done
         off = max(b0 - c * f / (1.0 - f), c, 1e-6)  # b0 without stolen time
         m = max(s.main_cpu_s - last.main_cpu_s, 0.0) / consumed
-        rate = min(1.0 / step, self.cpu_limit * (1.0 - f) / max(c + m, 1e-9))
+        if self.main_cpu_limit is None:  # the workers' CPUs are the consumer's
+            rate = min(1.0 / step, self.cpu_limit * (1.0 - f) / max(c + m, 1e-9))
+        else:  # the workers' CPUs are other machines'
+            rate = min(1.0 / step, self.cpu_limit / max(c, 1e-9), self.main_cpu_limit / max(m, 1e-9))
         cap = self.max_workers if c <= 0 else max(1, min(self.max_workers, math.floor(self.cpu_limit * off / c + 1e-9)))
         if first and c >= 0.5 * off:  # two batches do not show a partly I/O-bound dataset
             cap = min(cap, max(1, math.floor(self.cpu_limit + 1e-9)))
@@ -393,18 +407,36 @@ class AutoscaleDriver:
         read_s: Shortest time between readings. Defaults to 0.02.
     """
 
-    def __init__(self, max_queue_size=None, *, read_s=0.02):
+    def __init__(self, max_queue_size=None, *, read_s=0.02, remote_max=None):
         limit = cpu_limit()
-        self.max_workers = max_workers_for(limit)
+        self.remote = remote_max is not None
+        self.max_workers = max_workers_for(limit) if not self.remote else min(MAX_WORKERS, remote_max)
         if max_queue_size is not None:
             self.max_workers = min(self.max_workers, max_queue_size)
+        self._ceiling = self.max_workers
         self.cpu_limit = limit
-        self.start_workers = min(start_workers_for(limit), self.max_workers)
+        self.start_workers = min(start_workers_for(limit) if not self.remote else 2, self.max_workers)
         self.default_max_queue_size = max_queue_size or max(4, 2 * self.max_workers)
-        self._scaler = AutoScaler(limit, self.max_workers)
-        self._clock = CpuClock()
+        self._scaler = AutoScaler(limit, self.max_workers, main_cpu_limit=limit if self.remote else None)
+        self._clock = CpuClock() if not self.remote else (lambda: (0.0, 0.0))
         self._read_s = read_s
         self._next = 0.0
+
+    @classmethod
+    def for_remote(cls, max_count, max_queue_size=None):
+        """For workers on other machines (Ray actors): at most `max_count` (None: 64); the
+        cluster's CPUs and what it can place are set when they start (`fit_to`)."""
+        return cls(max_queue_size, remote_max=MAX_WORKERS if max_count is None else max_count)
+
+    def fit_to(self, backend):
+        """Workers on other machines: takes the CPUs and the most workers the backend's
+        cluster offers now (`backend.capacity()`)."""
+        if not self.remote:
+            return
+        cpus, placeable = backend.capacity()
+        self.cpu_limit = max(float(cpus), 1.0)
+        self.max_workers = max(1, min(self._ceiling, placeable))
+        self._scaler.cpu_limit, self._scaler.max_workers = self.cpu_limit, self.max_workers
 
     @staticmethod
     def check_arguments(start_method, use_threads):

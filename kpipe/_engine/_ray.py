@@ -7,18 +7,35 @@ When one machine's cores cannot feed its accelerators, the Python work of a `PyD
 arbitrary Python there; kpipe keeps its guarantees in the loader (`Position`, `Window`, the
 epoch-hook rule), so only the backend changes (the protocol in `_backend.py`):
 
-    main: RayBackend.submit(index, seed) -> actor.load.remote(index, seed)   (ObjectRef)
+    main: RayBackend.submit(index, seed) -> actor.load.remote(index, seed, released, local)
     actor: reseed random/numpy.random from the batch's seed (as a process worker does);
-           batch = dataset[index]; returned with its timings
-    main: RayBackend.get(seq) -> ray.get(ref): NumPy arrays backed by the object store --
-           no copy on the trainer's node; Ray's transfer from other nodes (what travels
-           matters there: uint8 before a float conversion is 4x fewer bytes)
+           batch = dataset[index]; returned with its timings, one of two ways:
+      other node (local=False): the arrays, which Ray copies into its object store when
+           the task returns (`kpipe.empty` arrays live in the actor's own reused buffer,
+           so building a batch faults in no new pages); main: ray.get(ref) -- Ray's
+           transfer between nodes (what travels matters: uint8 before a float
+           conversion is 4x fewer bytes)
+      this node (local=True, the actor runs on the trainer's node): as a process worker,
+           into a shared-memory slot (a memfd of the actor's; `kpipe.empty` allocates
+           there, other arrays are copied in once); only (slot, fd, pid, layout) travels.
+           main: opens /proc/<pid>/fd/<fd> once per slot and returns views of it, each
+           holding a lease; when the consumer drops a batch, its slot goes back to the
+           actor with the actor's next task (`released`). A batch outlives its actor
+           (the pages live while mapped). Where /proc/<pid>/fd cannot be opened (another
+           user, a hardened kernel), a warning, and every later batch takes the object
+           store. On one node this removes Ray's copy of every batch (77 MB batches:
+           0.24x of process workers through the object store, see scripts/bench_ray.py).
 
 * The dataset goes to the actors once, through the object store (`ray.put` of kpipe's
   pickle: classes from `__main__`/notebooks by value, Keras's `PyDataset` base swapped for
   a TensorFlow-free stand-in, as for process workers), and again after a hook changed it.
   An actor runs one task at a time, in the order it got them, so a new state sent behind
-  its tasks applies to the tasks submitted after it.
+  its tasks applies to the tasks submitted after it: `epoch_end_ahead=True` sends the
+  next pass's state without waiting (`send_state`). Each task remembers the state it was
+  submitted under, so a replaced actor loads it under that state, whatever came after.
+* Actors run with the allocator settings of kpipe's workers (`WORKER_ENV`: glibc keeps
+  freed memory, so a batch built with `np.stack` reuses warm pages instead of faulting in
+  77 MB of new ones per call).
 * Placement: `num_cpus` per actor and `resources` (a custom resource the CPU-only
   preprocessing nodes were started with: `ray start --resources='{"preprocess": 8}'`);
   actors that cannot be placed within `timeout` are a named error, never a hang.
@@ -27,22 +44,33 @@ epoch-hook rule), so only the backend changes (the protocol in `_backend.py`):
   order: batches are pure functions of (dataset state, index, seed), so every batch is
   delivered once, the same as it would have been. An exception in `__getitem__` is raised
   in the main process with its type and the remote traceback, as from a process worker.
+* The actor count (`RayWorkers("auto")`): the controller of `workers="auto"` (NOTE in
+  `_autoscale.py`) with the CPUs and the actor count the cluster's live nodes offer this
+  spec (`capacity()`). Added actors take tasks once Ray placed them and they are ready
+  (polled at each submit, never waited for); one not placed within `timeout` is dropped
+  with a warning. A retired actor takes no new task and is killed once its queued batches
+  were answered.
+* Thread budget: each actor limits its native pools (BLAS, OpenMP, OpenCV, TensorFlow)
+  to the CPUs it reserved (`num_cpus`, at least 1), as a process worker does to its
+  share of the host; `stats()["worker_thread_pools"]` shows what each actor set.
 * Lifetime: actors are killed on `close()`, when the loader is dropped, or at exit. With
   no `address` (and no `RAY_ADDRESS`), kpipe starts a local Ray instance and shuts it down
   with the last loader that used it; a cluster it connected to is left running.
 """
 
+import collections
 import dataclasses
+import functools
 import itertools
+import logging
 import os
-import random
 import sys
 import threading
 import time
 import weakref
-from typing import Optional
+from typing import Optional, Union
 
-from kpipe._engine import _pickling, _threads, _tree
+from kpipe._engine import _pickling, _procs, _ray_actor, _shm, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._backend import Backend
 from kpipe.errors import BatchTimeoutError, LoaderClosedError, LoaderError, WorkerDiedError
@@ -50,6 +78,8 @@ from kpipe.errors import BatchTimeoutError, LoaderClosedError, LoaderError, Work
 _CONNECT_LOCK = threading.Lock()
 _STARTED = {"count": 0, "by_kpipe": False}  # loaders using a Ray instance kpipe started
 _MAX_REPLACEMENTS = 8  # actors replaced in a row without a batch delivered: the cluster is failing
+_WORKERS_PER_CPU = 8  # actors reserving no resource, per CPU of a node (as `_autoscale.WORKERS_PER_CPU`)
+logger = logging.getLogger("kpipe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,27 +87,37 @@ class RayWorkers:
     """Loader workers as Ray actors, for `ProcessLoader(dataset, workers=RayWorkers(...))`.
 
     Args:
-        count: Actors loading batches.
+        count: Actors loading batches, or `"auto"`: kpipe starts 2 and adds or retires
+            actors from measured timings, as `workers="auto"` does with processes (the
+            NOTE in `_autoscale.py`), within what the cluster's live nodes can place for
+            `num_cpus`/`resources` and `max_count`.
         address: The Ray cluster to connect to (`"auto"`, `"ray://host:10001"`, ...).
             Defaults to None: `RAY_ADDRESS` if set, else a local Ray instance that kpipe
             starts for the loader and shuts down with the last loader using it.
         num_cpus: CPUs each actor reserves. Defaults to 1.
         resources: Custom resources each actor needs, e.g. `{"preprocess": 1}` to place
             actors only on nodes started with that resource. Defaults to None.
+        max_count: With `count="auto"`, the most actors. Defaults to None: what the
+            cluster can place (at most 64).
 
     Example (a local Ray instance; needs `pip install "kpipe[ray]"`):
 
         loader = kpipe.ProcessLoader(Images(...), workers=kpipe.RayWorkers(16, resources={"preprocess": 1}))
     """
 
-    count: int
+    count: Union[int, str]
     address: Optional[str] = None
     num_cpus: float = 1
     resources: Optional[dict] = None
+    max_count: Optional[int] = None
 
     def __post_init__(self):
-        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
-            raise ValueError(f"`count` must be an int >= 1 (actors). Received: count={self.count!r}.")
+        if self.count != "auto" and (isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1):
+            raise ValueError(f"`count` must be an int >= 1 (actors) or 'auto'. Received: count={self.count!r}.")
+        if self.max_count is not None and (isinstance(self.max_count, bool) or not isinstance(self.max_count, int)
+                                           or self.max_count < 1 or self.count != "auto"):
+            raise ValueError(f"`max_count` bounds count='auto' and must be an int >= 1. Received: count={self.count!r}, "
+                             f"max_count={self.max_count!r}.")
         if not isinstance(self.num_cpus, (int, float)) or isinstance(self.num_cpus, bool) or self.num_cpus < 0:
             raise ValueError(f"`num_cpus` must be a number >= 0. Received: num_cpus={self.num_cpus!r}.")
         if self.resources is not None and (not isinstance(self.resources, dict) or not all(
@@ -129,87 +169,57 @@ def disconnect(started):
             _STARTED["by_kpipe"] = False
 
 
-class _Loader:
-    """The actor: one loader worker (see the NOTE)."""
-
-    def __init__(self, payload, worker_id, num_workers, seed, threads, sys_path):
-        import sys
-
-        for path in reversed(sys_path):  # the driver's import paths that exist on this node
-            if path not in sys.path and os.path.isdir(path):
-                sys.path.insert(0, path)
-        self.pools = _threads.PoolLimiter()
-        if threads is not None:
-            self.pools.set_env(threads)
-        self.target = _pickling.loads(payload, {})
-        if threads is not None:
-            self.pools.apply(threads)
-        info = _wi.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, pid=os.getpid())
-        _wi._set(info)
-        random.seed(seed)
-        _seed_numpy(seed)
-
-    def ready(self):
-        import ray
-
-        return os.getpid(), ray.get_runtime_context().get_node_id()
-
-    def set_target(self, payload):
-        self.target = _pickling.loads(payload, {})
-        return True
-
-    def load(self, key, seed):
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        if seed is not None:  # this batch's randomness: see worker_info.batch_seed
-            random.seed(seed)
-            _seed_numpy(seed)
-        out = self.target[key]
-        treedef, leaves, _ = _tree.flatten(out)
-        return treedef, leaves, (time.perf_counter() - t0, time.process_time() - cpu0)
-
-
-def _seed_numpy(seed):
-    import numpy as np
-
-    np.random.seed(seed)
-
-
 class _Actor:
-    __slots__ = ("id", "handle", "pid", "node", "pending", "last_task")
+    __slots__ = ("id", "handle", "pid", "node", "pools", "pending", "last_task", "starting", "retiring")
 
     def __init__(self, wid, handle):
         self.id, self.handle = wid, handle
-        self.pid = self.node = None
+        self.pid = self.node = self.pools = None
         self.pending = []  # seqs, in the order sent
         self.last_task = -1
+        self.starting = None  # (ready ref, since): added while running, not placed and ready yet
+        self.retiring = False  # takes no new task; stopped once its pending ones are answered
 
 
 class RayBackend(Backend):
     """Runs `target[key]` in Ray actors (see the NOTE). Used from one thread at a time."""
 
-    keeps_copy = True
+    keeps_copy = can_send_state = can_resize = thread_budget = True
+    shared = None  # no shared-memory arrays across nodes: the payload carries the dataset's arrays
 
-    def __init__(self, target, *, workers, timeout, seed, name):
+    def __init__(self, target, *, workers, timeout, seed, name, num_workers=None, max_workers=None, worker_threads=None):
         self.name = name
+        count = workers.count if num_workers is None else num_workers
+        self._max = max_workers or count  # actors at most (workers="auto"); also worker_info().num_workers
+        self._threads = worker_threads  # None: the CPUs each actor reserved
         self.timeout = timeout
         self.closed = False
         self._spec = workers
         self._seed = seed
         self._started = connect(workers.address, timeout)
         ray = _ray()
-        self._remote = ray.remote(_Loader).options(num_cpus=workers.num_cpus, resources=workers.resources or None,
-                                                   max_restarts=0, max_task_retries=0)
+        self._remote = ray.remote(_ray_actor.Loader).options(num_cpus=workers.num_cpus, resources=workers.resources or None,
+                                                   max_restarts=0, max_task_retries=0,
+                                                   runtime_env={"env_vars": dict(_procs.WORKER_ENV)})
         self._actors = []
-        self._tasks = {}  # seq -> [key, seed, actor, ref]
+        self._tasks = {}  # seq -> [key, seed, actor, ref, state]: `state`, the payload's ref it was submitted under
         self._seq = itertools.count()
         self._dead = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _kill_all, self._actors, self._started)
         self.timings = [0, 0.0, 0.0, 0.0]  # batches done; their wall, CPU and run-queue seconds
         self._failures = 0
+        # Actors on this node hand batches over in shared-memory slots (see the NOTE):
+        self._node = ray.get_runtime_context().get_node_id()
+        self.slots_reachable = True  # False once an actor's slot could not be opened here
+        self._segments = {}  # (actor pid, slot) -> this process's Segment of that slot
+        self._released = collections.deque()  # (actor pid, slot) the consumer let go of (any thread)
+        self._free = {}  # actor pid -> slots released, to tell it with its next task
+        self._orphans = []  # refs of discarded tasks: their slots are released when they end
+        self._segments_finalizer = weakref.finalize(self, _close_segments, self._segments)
         try:
             self._payload, _ = _pickling.dumps(target, None, what=f"`{name}`")
             self._payload_ref = ray.put(self._payload)
-            for wid in range(workers.count):
+            for wid in range(count):
                 self._actors.append(self._start(wid))
             self._wait_ready(self._actors)
         except BaseException:
@@ -217,9 +227,9 @@ class RayBackend(Backend):
             raise
 
     # ------------------------------------------------------------------ actors
-    def _start(self, wid):
-        handle = self._remote.remote(self._payload_ref, wid, self._spec.count, _wi.derive_seed(self._seed, wid),
-                                     int(max(1, self._spec.num_cpus)), [p for p in sys.path if p])
+    def _start(self, wid, state=None):
+        handle = self._remote.remote(self._payload_ref if state is None else state, wid, self._max,
+                                     _wi.derive_seed(self._seed, wid), self.worker_threads, [p for p in sys.path if p])
         return _Actor(wid, handle)
 
     def _wait_ready(self, actors):
@@ -236,23 +246,122 @@ class RayBackend(Backend):
             ) from None
         except ray.exceptions.RayActorError as exc:
             raise LoaderError(f"A Ray actor of `{self.name}` failed while starting: {exc}") from exc
-        for actor, (pid, node) in zip(actors, answers):
-            actor.pid, actor.node = pid, node
+        for actor, (pid, node, pools) in zip(actors, answers):
+            actor.pid, actor.node, actor.pools = pid, node, pools
 
     @property
     def num_workers(self):
-        return len(self._actors)
+        """Actors taking tasks, or starting to (retiring ones not counted)."""
+        return sum(not a.retiring for a in self._actors)
 
     @property
     def pids(self):
-        return [a.pid for a in self._actors]
+        return [a.pid for a in self._actors if a.pid is not None]
 
     def nodes(self):
-        """The Ray node id of each actor, by worker id."""
-        return [a.node for a in self._actors]
+        """The Ray node id of each actor that started, by worker id."""
+        return [a.node for a in self._actors if a.pid is not None]
+
+    def capacity(self):
+        """`(cpus, actors)`: the CPUs of the live nodes where these actors fit, and how
+        many actors of this spec (`num_cpus`, `resources`) those nodes hold in all -- what
+        `RayWorkers("auto")` may use (see the NOTE in `_autoscale.py`). Actors that
+        reserve nothing count 8 per CPU, as I/O-bound processes do."""
+        need = dict(self._spec.resources or {})
+        if self._spec.num_cpus:
+            need["CPU"] = self._spec.num_cpus
+        cpus, actors = 0.0, 0
+        for node in _ray().nodes():
+            have = node.get("Resources") or {}
+            if not node.get("Alive") or any(have.get(k, 0) < v for k, v in need.items()):
+                continue
+            node_cpus = float(have.get("CPU", 0))
+            fit = min((int(have.get(k, 0) // v + 1e-9) for k, v in need.items()), default=None)
+            if fit is None:
+                fit = int(_WORKERS_PER_CPU * max(1.0, node_cpus))
+            actors += fit
+            cpus += min(node_cpus, fit * max(1.0, float(self._spec.num_cpus)))
+        return cpus, actors
+
+    # ------------------------------------------------------ changing the actor count
+    def add_worker(self, count=1):
+        """Starts `count` more actors without waiting: each takes tasks once Ray placed
+        it and it is ready (one not ready within `timeout` is dropped, with a warning).
+        Returns their ids."""
+        self._check_open()
+        if self.num_workers + count > self._max:
+            raise ValueError(f"Cannot run more than {self._max} Ray actors for `{self.name}`. Received: count={count} "
+                             f"with {self.num_workers} running.")
+        used = {a.id for a in self._actors}
+        ids = [i for i in range(len(used) + count) if i not in used][:count]
+        for wid in ids:
+            actor = self._start(wid)
+            actor.starting = (actor.handle.ready.remote(), time.monotonic())
+            self._actors.append(actor)
+        return ids
+
+    def retire_worker(self):
+        """Retires the live actor with the highest id: it takes no new task and is stopped
+        once its pending tasks are answered (their batches are delivered as usual). Returns
+        its id, or None when only one live actor is left."""
+        self._check_open()
+        live = [a for a in self._actors if not a.retiring]
+        if len(live) <= 1:
+            return None
+        actor = max(live, key=lambda a: a.id)
+        actor.retiring = True
+        if not actor.pending:
+            self._stop(actor)
+        return actor.id
+
+    def _stop(self, actor):
+        self._forget_slots(actor.pid)
+        self._actors.remove(actor)
+        try:
+            _ray().kill(actor.handle, no_restart=True)
+        except Exception:  # noqa: BLE001 -- already gone
+            pass
+
+    def _poll_starting(self):
+        """Actors added while running that became ready take tasks from now on."""
+        starting = [a for a in self._actors if a.starting is not None]
+        if not starting:
+            return
+        ray = _ray()
+        ready, _ = ray.wait([a.starting[0] for a in starting], num_returns=len(starting), timeout=0)
+        ready = set(ready)
+        for actor in starting:
+            ref, since = actor.starting
+            if ref in ready:
+                try:
+                    actor.pid, actor.node, actor.pools = ray.get(ref)
+                    actor.starting = None
+                    continue
+                except ray.exceptions.RayError as exc:
+                    why = f"{type(exc).__name__}: {exc}"
+            elif self.timeout is not None and time.monotonic() - since > self.timeout:
+                why = (f"not placed within timeout={self.timeout} s (the cluster has {_describe(ray.available_resources())}"
+                       " free)")
+            else:
+                continue
+            logger.warning("ProcessLoader(%s): a Ray actor added by workers='auto' was dropped: %s", self.name, why)
+            self._stop(actor)
+
+    @property
+    def worker_threads(self):
+        """Threads each actor's native pools may use: `worker_threads` if given, else the
+        CPUs it reserved, at least 1."""
+        return self._threads if self._threads is not None else int(max(1, self._spec.num_cpus))
+
+    def thread_pools(self):
+        """What the budget set in each actor, as it last reported (see `_threads.py`)."""
+        return [{"worker": a.id, "pid": a.pid, "node": a.node,
+                 **(a.pools or {"threads": None, "pools": [], "not_limited": []})} for a in self._actors]
 
     def _replace(self, actor, why):
-        """Starts a new actor for `actor`'s id and sends it its pending tasks again, in order."""
+        """Starts a new actor for `actor`'s id and sends it its pending tasks again, in order,
+        each under the state it was submitted under (`send_state` may have queued newer
+        ones behind it); the actor ends on the current state."""
         ray = _ray()
         self._failures += 1
         if self._failures > _MAX_REPLACEMENTS:
@@ -262,35 +371,105 @@ class RayBackend(Backend):
             ray.kill(actor.handle, no_restart=True)
         except Exception:  # noqa: BLE001 -- already gone
             pass
-        new = self._start(actor.id)
+        states = [self._tasks[seq][4] for seq in actor.pending]
+        state = states[0] if states else self._payload_ref
+        new = self._start(actor.id, state)
+        new.retiring = actor.retiring
         self._wait_ready([new])
         self._actors[self._actors.index(actor)] = new
+        self._forget_slots(actor.pid)
         for seq in actor.pending:
             task = self._tasks[seq]
+            if task[4] is not state:
+                state = task[4]
+                new.handle.set_target.remote(state)
             task[2] = new
-            task[3] = new.handle.load.remote(task[0], task[1])
+            task[3] = self._load(new, task[0], task[1])
             new.pending.append(seq)
         actor.pending = []
+        if state is not self._payload_ref:
+            new.handle.set_target.remote(self._payload_ref)
 
     # ------------------------------------------------------------------ protocol
     def submit(self, key, inputs=None, seed=None):
         self._check_open()
         seq = next(self._seq)
-        actor = min(self._actors, key=lambda a: (len(a.pending), a.last_task))
+        self._poll_starting()
+        ready = [a for a in self._actors if not a.retiring and a.starting is None]
+        actor = min(ready, key=lambda a: (len(a.pending), a.last_task))
         actor.last_task = seq
         actor.pending.append(seq)
-        self._tasks[seq] = [key, seed, actor, actor.handle.load.remote(key, seed)]
+        self._tasks[seq] = [key, seed, actor, self._load(actor, key, seed), self._payload_ref]
         return seq
+
+    # ------------------------------------------------------- slots on this node
+    def _load(self, actor, key, seed):
+        """`actor.load.remote(...)`, telling it the slots the consumer let go of, and
+        whether the batch may stay on this node in a slot."""
+        released = self._released
+        while released:
+            pid, slot = released.popleft()
+            self._free.setdefault(pid, []).append(slot)
+        self._reap_orphans()
+        local = self.slots_reachable and actor.node == self._node
+        return actor.handle.load.remote(key, seed, self._free.pop(actor.pid, ()), local)
+
+    def _slot_views(self, slot, actor):
+        """The arrays of a batch left in `actor`'s slot: views of this process's mapping
+        of it (its descriptor opened through /proc once per slot), each holding a lease
+        that tells the actor, with its next task, that the slot is free again. None where
+        the slot cannot be opened here (then every later batch uses the object store)."""
+        index, fd, pid, layout = slot
+        segment = self._segments.get((pid, index))
+        if segment is None:
+            try:
+                segment = _shm.Segment(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC))
+            except OSError as exc:
+                said, self.slots_reachable = not self.slots_reachable, False
+                if said:  # (batches already in slots come this way too: said once)
+                    return None
+                logger.warning("ProcessLoader(%s): cannot open the shared memory of Ray actor %s (pid %s) on this "
+                               "node (%s): batches come through Ray's object store from now on.", self.name,
+                               actor.id, pid, exc)
+                return None
+            self._segments[(pid, index)] = segment
+        lease = _shm.Lease(functools.partial(self._released.append, (pid, index)))
+        return segment.views(layout, lease=lease, writable=True), [(d, s) for _, _, d, s in layout]
+
+    def local_slots(self):
+        """Slots of actors on this node mapped here now (each is reused once released)."""
+        return len(self._segments)
+
+    def _forget_slots(self, pid):
+        """An actor is gone: this process's descriptors of its slots are closed (arrays
+        still viewing them keep their mappings), and what was released for it is dropped."""
+        self._free.pop(pid, None)
+        for key in [k for k in self._segments if k[0] == pid]:
+            self._segments.pop(key).close()
+
+    def _reap_orphans(self):
+        """Releases the slots of discarded tasks that ended (their batches are unused)."""
+        if not self._orphans:
+            return
+        ray = _ray()
+        done, self._orphans = ray.wait(self._orphans, num_returns=len(self._orphans), timeout=0)
+        for ref in done:
+            try:
+                slot = ray.get(ref)[4]
+            except Exception:  # noqa: BLE001 -- it failed: no slot was kept
+                continue
+            if slot is not None:
+                self._released.append((slot[2], slot[0]))
 
     def get(self, seq, on_starved=None):
         ray = _ray()
         self._check_open()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
-            key, _, actor, ref = self._tasks[seq]
+            key, _, actor, ref, _ = self._tasks[seq]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                treedef, leaves, (busy, cpu) = ray.get(ref, timeout=remaining)
+                treedef, leaves, (busy, cpu), pools, slot = ray.get(ref, timeout=remaining)
             except ray.exceptions.GetTimeoutError:
                 self._fail(BatchTimeoutError(
                     f"Batch {key} of `{self.name}` did not arrive within timeout={self.timeout} s from Ray actor "
@@ -307,23 +486,37 @@ class RayBackend(Backend):
                                  f"of `{self.name}`.")
                 error.kpipe_batch_index = key
                 raise error from None
-            break
+            if slot is None:
+                meta = [(a.dtype.str, a.shape) for a in leaves]
+                break
+            views = self._slot_views(slot, actor)  # (before _forget, which may stop a retiring actor)
+            if views is not None:
+                leaves, meta = views
+                break
+            self._released.append((slot[2], slot[0]))  # not reachable here: load it again through the object store
+            self._tasks[seq][3] = self._load(actor, key, self._tasks[seq][1])
         self._forget(seq)
         self._failures = 0
+        if pools is not None:
+            actor.pools = pools
         t = self.timings
         t[0], t[1], t[2] = t[0] + 1, t[1] + busy, t[2] + cpu
-        return _tree.unflatten(treedef, leaves), treedef, [(a.dtype.str, a.shape) for a in leaves]
+        return _tree.unflatten(treedef, leaves), treedef, meta
 
     def _forget(self, seq):
         task = self._tasks.pop(seq)
+        actor = task[2]
         try:
-            task[2].pending.remove(seq)
+            actor.pending.remove(seq)
         except ValueError:
             pass
+        if actor.retiring and not actor.pending and actor in self._actors:
+            self._stop(actor)
 
     def discard(self, seq):
         if seq in self._tasks:
-            self._forget(seq)  # (its result, if it comes, is freed with its ref)
+            self._orphans.append(self._tasks[seq][3])  # (a slot it fills is released when it ends)
+            self._forget(seq)
 
     def reset_target(self, target, dumped=None):
         """Sends every actor the new state and waits until each took it (behind its tasks)."""
@@ -343,6 +536,17 @@ class RayBackend(Backend):
                     ray.get(actor.handle.ready.remote(), timeout=self.timeout)
                 except ray.exceptions.RayActorError:
                     self._replace(actor, "lost while taking the new state")
+
+    def send_state(self, payload, keys):
+        """Queues a new state (`dump` output) behind each actor's tasks, without waiting:
+        tasks submitted afterwards load under it (`epoch_end_ahead=True`). A lost actor
+        surfaces when one of its batches is read, and is replaced then."""
+        self._check_open()
+        if keys:
+            raise ValueError(f"Ray actors hold no shared arrays: send_state takes keys=[]; received {sorted(keys)}")
+        self._payload, self._payload_ref = payload, _ray().put(payload)
+        for actor in self._actors:
+            actor.handle.set_target.remote(self._payload_ref)
 
     def dump(self, target):
         payload, _ = _pickling.dumps(target, None, what=f"`{self.name}`")
@@ -365,7 +569,15 @@ class RayBackend(Backend):
     def close(self, force=False):
         self.closed = True
         self._tasks.clear()
+        self._orphans.clear()
         self._finalizer()
+        self._segments_finalizer()  # (arrays still viewing slots keep their mappings)
+
+
+def _close_segments(segments):
+    for segment in segments.values():
+        segment.close()
+    segments.clear()
 
 
 def _kill_all(actors, started):
