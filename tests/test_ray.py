@@ -80,6 +80,54 @@ def test_fit_takes_the_batches_plain_keras_takes(cluster):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+def _small_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    m.compile(keras.optimizers.SGD(1e-4), "mse")
+    return m
+
+
+def _fit(workers, *, steps=None, shuffle=False, epochs=3, callbacks=()):
+    """Final weights and loads of `fit` on a 6-batch Squares loader with `workers`."""
+    model = _small_model()
+    with kpipe.ProcessLoader(Squares(n=6), workers=workers, shuffle=shuffle, seed=9) as loader:
+        model.fit(loader, epochs=epochs, steps_per_epoch=steps, verbose=0,
+                  callbacks=[c(loader) for c in callbacks])
+        loads = loader.stats()["loads"]
+    return model.get_weights(), loads
+
+
+@pytest.mark.parametrize("steps", [None, 4])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_fit_with_or_without_steps_per_epoch_trains_and_loads_as_local_workers(cluster, steps, shuffle):
+    want, want_loads = _fit(2, steps=steps, shuffle=shuffle)
+    got, loads = _fit(kpipe.RayWorkers(2, resources=TAGGED), steps=steps, shuffle=shuffle)
+    assert loads == want_loads  # the same bounded loads: nothing past the last step
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_an_actor_killed_during_fit_changes_no_weight(cluster):
+    import keras
+
+    class KillOnce(keras.callbacks.Callback):
+        def __init__(self, loader):
+            super().__init__()
+            self.loader, self.killed = loader, None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2 and self.killed is None:  # mid-epoch, with batches queued on it
+                self.killed = self.loader.stats()["pids"][0]
+                os.kill(self.killed, signal.SIGKILL)
+
+    want, _ = _fit(kpipe.RayWorkers(2, resources=TAGGED), shuffle=True)
+    got, _ = _fit(kpipe.RayWorkers(2, resources=TAGGED), shuffle=True, callbacks=[KillOnce])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 @pytest.mark.parametrize("where", ["other nodes", "this node"])
 def test_a_killed_actor_is_replaced_and_every_batch_arrives_once_in_order(cluster, where):
     spec = kpipe.RayWorkers(2, resources=TAGGED) if where == "other nodes" else kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE)
@@ -299,6 +347,38 @@ def test_kpipe_empty_batches_held_together_stay_whole_and_actors_get_the_allocat
     assert settings == [True, True, True]  # MALLOC_MMAP_THRESHOLD_, _TRIM_THRESHOLD_, _MMAP_MAX_
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_each_worker_of_a_tf_config_job_loads_its_shard_on_the_cluster(cluster, tmp_path):
+    import io
+    import sys
+
+    from kpipe._engine._planner import EpochPlanner
+    from kpipe.distribute import launch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "programs"))
+    import _outputs
+    from passes_train import N_BATCHES, SEED
+
+    ray_cluster, nodes = cluster
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")])),
+           "TF_CPP_MIN_LOG_LEVEL": "2"}
+    command = [sys.executable, os.path.join(here, "programs", "passes_train.py"), "--out", str(tmp_path), "--epochs", "2",
+               "--loader-workers", "2", "--ray-address", ray_cluster.address]
+    result = launch(command, workers=2, env=env, output=io.StringIO(), timeout_s=240, warn_open_ports=False)
+    assert result.returncode == 0, "\n".join(result.tails)
+    records = [_outputs.read(tmp_path, w)[0] for w in range(2)]
+    shard_len = N_BATCHES // 2
+    for w, record in enumerate(records):
+        assert record["shard"] == [2, w]
+        planner = EpochPlanner(N_BATCHES, shuffle=True, seed=SEED, num_shards=2, shard_index=w)
+        assert record["ids"] == [i for p in range(2) for i in planner.plan(p)]  # its shard, each pass whole
+        assert record["train_loads"] == 2 * shard_len  # each batch once per epoch, nothing after
+        assert len(record["loader_pids"]) == 2 and set(record["actor_nodes"]) <= {n.node_id for n in nodes}
+    assert set(records[0]["ids"][:shard_len]).isdisjoint(records[1]["ids"][:shard_len])
+
+
 def test_a_dataset_exception_keeps_its_type_and_names_the_batch(cluster):
     with kpipe.ProcessLoader(Failing("raise", bad=2), workers=kpipe.RayWorkers(2)) as loader:
         loader[0], loader[1]
@@ -320,6 +400,12 @@ def test_dropped_and_closed_loaders_leave_no_actor(cluster):
     import gc
 
     pids = []
+    for _ in range(10):  # ten fits on loaders dropped without close()
+        model = _small_model()
+        loader = kpipe.ProcessLoader(Squares(n=4), workers=kpipe.RayWorkers(1, num_cpus=0.5))
+        model.fit(loader, epochs=1, verbose=0)
+        pids += loader.stats()["pids"]
+        del loader, model
     for _ in range(3):
         loader = kpipe.ProcessLoader(Squares(n=4), workers=kpipe.RayWorkers(2))
         loader[0]
@@ -332,6 +418,94 @@ def test_dropped_and_closed_loaders_leave_no_actor(cluster):
     from conftest import gone
 
     assert gone(pids)
+
+
+_NOTEBOOK_SETUP = """
+import gc, os, time, keras, numpy as np, kpipe
+
+class Cell(keras.utils.PyDataset):  # defined in a cell, as users do: it travels to the actors by value
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return np.full((8, 3), i, "float32"), np.zeros((8, 1), "float32")
+
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+pids = []
+"""
+_NOTEBOOK_CELL = """loader = kpipe.ProcessLoader(Cell(), workers=kpipe.RayWorkers(1, num_cpus=0.5))
+model.fit(loader, epochs=1, verbose=0)
+pids += loader.stats()["pids"]"""
+_NOTEBOOK_COUNT = """del loader
+gc.collect()
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+deadline = time.monotonic() + 60
+while any(alive(p) for p in pids) and time.monotonic() < deadline:  # (a hang deadline)
+    time.sleep(0.05)
+print(len(set(pids)), sum(alive(p) for p in set(pids)))"""
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+def test_rerunning_a_notebook_fit_cell_leaves_no_actor(cluster, tmp_path, monkeypatch):
+    import sys
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    ray_cluster, _ = cluster
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    cells = [_NOTEBOOK_SETUP] + [_NOTEBOOK_CELL] * 10 + [_NOTEBOOK_COUNT]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, kernel_name="python3", timeout=240, startup_timeout=180,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream").split()
+    assert printed == ["10", "0"], f"actors started, left: {printed} after 10 runs of a fit cell"
+
+
+_LOCAL_INSTANCE = """
+import os, sys, time, psutil, ray, kpipe
+sys.path.insert(0, sys.argv[1])
+from _datasets import Squares
+
+first = kpipe.ProcessLoader(Squares(n=4), workers=kpipe.RayWorkers(1, num_cpus=0.5))
+second = kpipe.ProcessLoader(Squares(n=4), workers=kpipe.RayWorkers(1, num_cpus=0.5))
+first[0], second[0]
+started = ray.is_initialized()
+first.close()
+after_first = ray.is_initialized()
+second.close()
+after_last = ray.is_initialized()
+deadline = time.monotonic() + 60
+while psutil.Process().children(recursive=True) and time.monotonic() < deadline:  # (a hang deadline)
+    time.sleep(0.1)
+print(started, after_first, after_last, len(psutil.Process().children(recursive=True)))
+"""
+
+
+@pytest.mark.slow
+def test_a_local_instance_kpipe_started_stops_with_the_last_loader_and_a_users_cluster_runs_on(cluster):
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(here), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _LOCAL_INSTANCE, here], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-4:] == ["True", "True", "False", "0"]  # Ray's processes went with the last loader
+    with kpipe.ProcessLoader(Squares(n=4), workers=kpipe.RayWorkers(1)) as loader:  # the module's cluster (address)
+        loader[0]
+    assert ray.is_initialized()  # a cluster kpipe connected to is left running
 
 
 def test_bad_ray_arguments_are_refused_with_what_was_received():

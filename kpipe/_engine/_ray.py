@@ -148,7 +148,9 @@ def connect(address, timeout):
             if address:
                 ray.init(address=address, logging_level="WARNING", log_to_driver=False)
             else:
-                ray.init(logging_level="WARNING", log_to_driver=False, include_dashboard=False)
+                # "local": a new instance, not one `ray.init()` would find on this machine (a
+                # `ray start` cluster is used only when asked for: address= or RAY_ADDRESS)
+                ray.init(address="local", logging_level="WARNING", log_to_driver=False, include_dashboard=False)
         except Exception as exc:
             where = f"the Ray cluster at address={address!r}" if address else "a local Ray instance"
             raise LoaderError(f"Could not connect to {where}: {type(exc).__name__}: {exc}. Start it "

@@ -11,6 +11,7 @@ a batch, and writes `--out/worker<i>.json` (ids, loads, steps, restored step) an
   --save-freq N            kpipe.callbacks.BackupAndRestore(--backup, save_freq=N)
   --kill-at-step K         worker 1 SIGKILLs itself after its K-th training step
   --loader-workers W       ProcessLoader(workers=W)
+  --ray-address A          ... W Ray actors of the cluster at A, on nodes with a "preprocess" resource
 """
 
 import argparse
@@ -53,6 +54,7 @@ def main(argv=None):
     parser.add_argument("--save-freq", type=int)
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--loader-workers", type=int, default=2)
+    parser.add_argument("--ray-address")
     args = parser.parse_args(argv)
 
     import kpipe
@@ -84,7 +86,10 @@ def main(argv=None):
         model.compile(keras.optimizers.SGD(0.01, momentum=0.9), "mse")
 
     train_log, val_log = stem + ".train-loads", stem + ".val-loads"
-    loader = kpipe.ProcessLoader(Ids(N_BATCHES, train_log), workers=args.loader_workers, shuffle=True, seed=SEED)
+    workers = args.loader_workers
+    if args.ray_address:
+        workers = kpipe.RayWorkers(workers, address=args.ray_address, resources={"preprocess": 1})
+    loader = kpipe.ProcessLoader(Ids(N_BATCHES, train_log), workers=workers, shuffle=True, seed=SEED)
     val = kpipe.ProcessLoader(Ids(4, val_log), workers=1) if args.validation else None
     callbacks = []
     backup = None
@@ -107,6 +112,7 @@ def main(argv=None):
         model.fit(loader, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch, verbose=0,
                   validation_data=val, callbacks=callbacks)
         stats = loader.stats()
+        actor_nodes = kpipe._stream.source_of(loader).backend.nodes() if args.ray_address else []
     if val is not None:
         val.close()
 
@@ -126,6 +132,8 @@ def main(argv=None):
         "passes": stats["passes"],
         "restored_step": backup.restored_step if backup is not None else None,
         "iterations": int(model.optimizer.iterations.numpy()),
+        "loader_pids": stats["pids"],
+        "actor_nodes": actor_nodes,
     }
     _outputs.write(args.out, info.worker_index, record_out, {f"w{i}": w for i, w in enumerate(model.get_weights())})
     print(f"worker {info.worker_index}: done", flush=True)
