@@ -300,3 +300,41 @@ class Versioned:
             while not os.path.exists(self.gate) and time.monotonic() < deadline:
                 time.sleep(0.01)
         return np.array([self.version * 100 + i])
+
+
+class Stacked:
+    """Batch i of pass p: `np.stack` of `batch` samples of 64x64x3 float32 (1.5 MiB for 32)
+    holding i + 100 p, and a report `[owndata, intact, kept]`: whether the stacked array
+    owns its memory (False where kpipe placed it in a slot), whether every array kept from
+    earlier calls still holds its values, how many are kept. `keep`: remember each batch
+    index's first array (`"array"`), a view of it (`"view"`) or a `kpipe.empty` array
+    (`"empty"`), as a cache would -- later passes write other values wherever memory is
+    reused."""
+
+    def __init__(self, n=6, batch=32, keep=None):
+        self.n, self.batch, self.keep = n, batch, keep
+        self.kept = {}
+        self.epoch = 0
+
+    def __len__(self):
+        return self.n
+
+    def on_epoch_end(self):
+        self.epoch += 1
+
+    def __getitem__(self, i):
+        value = i + 100 * self.epoch
+        x = np.stack([np.full((64, 64, 3), value, np.float32) for _ in range(self.batch)])
+        intact = all(bool((a == v).all()) for a, v in self.kept.values())
+        if self.keep and i not in self.kept:
+            if self.keep == "array":
+                self.kept[i] = (x, value)
+            elif self.keep == "view":
+                self.kept[i] = (x[1:, ::2], value)
+            elif self.keep == "empty":
+                import kpipe
+
+                e = kpipe.empty(x.shape, x.dtype)
+                e[...] = value
+                self.kept[i] = (e, value)
+        return x, np.array([x.flags.owndata, intact, len(self.kept)])

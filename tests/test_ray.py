@@ -379,6 +379,24 @@ def test_each_worker_of_a_tf_config_job_loads_its_shard_on_the_cluster(cluster, 
     assert set(records[0]["ids"][:shard_len]).isdisjoint(records[1]["ids"][:shard_len])
 
 
+@pytest.mark.parametrize("where", ["other nodes", "this node"])
+@pytest.mark.parametrize("keep", ["array", "empty"])
+def test_np_stack_batches_in_actors_and_memory_a_dataset_keeps_is_never_reused(cluster, where, keep):
+    from _datasets import Stacked
+
+    spec = kpipe.RayWorkers(1, resources=TAGGED) if where == "other nodes" else kpipe.RayWorkers(1, num_cpus=0.5, resources=HERE)
+    with kpipe.ProcessLoader(Stacked(n=8, keep=keep), workers=spec) as loader:
+        reports = []
+        for _ in range(2):  # (each pass on a fresh copy of the dataset, sent after its hook)
+            for i in range(8):  # one batch held at a time: a few slots, reused within the pass
+                x, report = loader[i]
+                assert float(x[0, 0, 0, 0]) == float(x[-1, -1, -1, -1]) == i + 100 * (len(reports) // 8)
+                reports.append(report.tolist())
+            loader.on_epoch_end()
+    assert all(intact for _, intact, _ in reports), reports
+    assert all(owndata == 0 for owndata, _, _ in reports)  # built in the actor's slot or buffer
+
+
 def test_a_dataset_exception_keeps_its_type_and_names_the_batch(cluster):
     with kpipe.ProcessLoader(Failing("raise", bad=2), workers=kpipe.RayWorkers(2)) as loader:
         loader[0], loader[1]

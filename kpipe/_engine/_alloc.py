@@ -5,13 +5,38 @@ with `kpipe.empty` while a worker runs `__getitem__` already lives in that slot,
 copy is skipped: for large batches (images read from HDF5 with `read_direct`, say) this
 halves the memory traffic and removes the allocation of a fresh batch array per call.
 Outside a process worker (main process, threads, `workers=0`) it is `numpy.empty`.
+
+NOTE [ np.stack into the slot, and arrays a dataset keeps ]
+----------------------------------------------------------
+The commonest batch is built as users write it: `np.stack([sample(j) for j in ...])`, a
+fresh array per call that the worker then copies into the slot (77 MB twice per batch on
+workload b). While a process worker runs `__getitem__`, `numpy.stack` is wrapped
+(`stacking_into`): a stack of plain ndarrays whose result is at least `STACK_MIN_BYTES`
+gets `out=` an array in the slot -- same values, shape and dtype as NumPy's, but no new
+allocation and no copy. Everything else (`out=` given, object dtypes, subclasses,
+`__array_function__` types, small results, mismatched shapes) goes to NumPy unchanged.
+Code that bound `from numpy import stack` at import is not reached (nothing changes
+for it).
+
+That puts memory the dataset sees in the slot, and a slot is reused for a later batch. A
+dataset that keeps such an array (a cache) -- or a `kpipe.empty` array, against its
+docstring -- would see it overwritten. So after each task the worker checks whether
+anything outside it still references the slot's mappings (`SlotAllocator.kept`: their
+reference counts, with the task's own references dropped); if so, the batch is marked
+"pinned" and the main process retires that slot once the consumer lets go of it instead
+of reusing it (its pages live on, for the dataset, as long as it keeps the array). A
+cache costs a slot per kept batch, as it costs an array per kept batch without kpipe.
 """
+
+import sys
+import threading
 
 import numpy as np
 
 from kpipe._engine._shm import align
 
 _CURRENT = None  # the SlotAllocator of the task this process is running, if any
+_OWNER = None  # the thread running that task: only its allocations go to the slot (a bump allocator)
 
 
 class SlotAllocator:
@@ -21,6 +46,18 @@ class SlotAllocator:
         self.segment = segment
         self.used = 0
         self._maps = []  # (base address, size) of every mapping handed out
+        self._bufs = []  # the mapping arrays handed-out arrays view (see `kept`)
+
+    def kept(self):
+        """Whether something other than the segment still references memory this task
+        allocated here (the dataset kept an array or a view of it): the caller must have
+        dropped its own references to the batch first. See the NOTE."""
+        for buf in self._bufs:
+            # references: this list, the loop variable, getrefcount's argument (+ the segment's)
+            ours = 3 + (buf is self.segment.mapping)
+            if sys.getrefcount(buf) > ours:
+                return True
+        return False
 
     def empty(self, shape, dtype):
         dtype = np.dtype(dtype)
@@ -34,6 +71,7 @@ class SlotAllocator:
         base = self.segment.address
         if (base, len(mm)) not in self._maps:
             self._maps.append((base, len(mm)))
+            self._bufs.append(mm)
         self.used = offset + nbytes
         return np.ndarray(shape, dtype=dtype, buffer=mm, offset=offset)
 
@@ -49,8 +87,8 @@ class SlotAllocator:
 
 
 def begin(segment):
-    global _CURRENT
-    _CURRENT = SlotAllocator(segment)
+    global _CURRENT, _OWNER
+    _CURRENT, _OWNER = SlotAllocator(segment), threading.get_ident()
     return _CURRENT
 
 
@@ -63,8 +101,9 @@ def empty(shape, dtype="float32"):
     """Like `numpy.empty`, but in a kpipe worker the array is the batch's shared memory.
 
     Return it (or a C-contiguous array of it) from `__getitem__` and the worker hands it
-    over without copying it. Fill it completely (it is not zeroed) and do not keep it
-    after `__getitem__` returns: the slot is reused for a later batch.
+    over without copying it. Fill it completely (it is not zeroed). Keeping it after
+    `__getitem__` returns costs a slot: the worker then retires that slot instead of
+    reusing it for a later batch (the NOTE above).
 
     Args:
         shape: An int or a tuple of ints.
@@ -87,6 +126,43 @@ def empty(shape, dtype="float32"):
     ...     int(loader[1][0].max())
     1
     """
-    if _CURRENT is None:
+    if _CURRENT is None or threading.get_ident() != _OWNER:  # (another thread of the dataset: its own memory)
         return np.empty(shape, dtype=dtype)
     return _CURRENT.empty(shape, dtype)
+
+
+STACK_MIN_BYTES = 1 << 20  # smaller stacks stay NumPy's: a slot is for the batch, not its temporaries
+_np_stack = np.stack
+
+
+def _stack(arrays, axis=0, out=None, **kwargs):
+    """`numpy.stack`, with the result in the current slot where it is big enough (the NOTE)."""
+    if out is not None or _CURRENT is None or threading.get_ident() != _OWNER:
+        return _np_stack(arrays, axis=axis, out=out, **kwargs)
+    arrays = [np.asanyarray(a) for a in arrays]
+    first = arrays[0] if arrays else None
+    if first is None or any(type(a) is not np.ndarray or a.shape != first.shape for a in arrays):
+        return _np_stack(arrays, axis=axis, **kwargs)  # (NumPy raises or dispatches as it would)
+    dtype = kwargs.get("dtype")
+    dtype = np.dtype(dtype) if dtype is not None else np.result_type(*{a.dtype for a in arrays})
+    ndim = first.ndim + 1
+    if dtype.hasobject or not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+        return _np_stack(arrays, axis=axis, **kwargs)
+    axis = int(axis) % ndim
+    shape = first.shape[:axis] + (len(arrays),) + first.shape[axis:]
+    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize < STACK_MIN_BYTES:
+        return _np_stack(arrays, axis=axis, **kwargs)
+    kwargs.pop("dtype", None)  # (NumPy takes `out` or `dtype`, not both: `out` has it)
+    return _np_stack(arrays, axis=axis, out=_CURRENT.empty(shape, dtype), **kwargs)
+
+
+class stacking_into:
+    """Context: `numpy.stack` places big results in the current slot (see the NOTE)."""
+
+    def __enter__(self):
+        np.stack = _stack
+        return self
+
+    def __exit__(self, *exc):
+        np.stack = _np_stack
+        return False

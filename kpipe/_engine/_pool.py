@@ -610,6 +610,8 @@ class ProcessBackend(WorkerSet, Backend):
                 t[2] += msg[5]
                 t[3] += msg[6]
                 self._count_setup(msg[7], self._slot_bytes)
+                if msg[8] and seq in self._tasks:  # the dataset kept memory of this slot (NOTE in _alloc.py)
+                    self._slots.pin(self._tasks[seq].slot)
             if seq in self._discarded:
                 self._discarded.discard(seq)
                 self._release_task(seq)

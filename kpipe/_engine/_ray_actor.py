@@ -26,6 +26,8 @@ class Loader:
         self.target, self.error = _pickling.loads(payload, {}), None
         self.arena = None  # kpipe.empty's buffer for batches that go through the object store
         self.slots, self.free = [], []  # batches for a consumer on this node: shared-memory slots, free ones
+        self.pinned = set()  # slots the dataset kept memory of
+        self.arena_alloc = None  # the arena's allocator of the last task, checked at the next one
         if threads is not None:
             self.pools.apply(threads)
         info = _wi.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, pid=os.getpid())
@@ -54,7 +56,14 @@ class Loader:
         timings, pools, None)`."""
         from kpipe._engine import _alloc, _shm
 
-        self.free.extend(released)
+        for slot in released:
+            if slot in self.pinned:  # never reused: closed here (the dataset's arrays keep its pages)
+                self.slots[slot].close()
+            else:
+                self.free.append(slot)
+        if self.arena_alloc is not None and self.arena_alloc.kept():  # the last batch Ray took is gone by now
+            self.arena = None  # the dataset kept memory of the arena: a new one (NOTE in _alloc.py)
+        self.arena_alloc = None
         if self.error is not None:
             raise LoaderError(f"This Ray actor could not take the dataset's new state: {type(self.error).__name__}: "
                               f"{self.error}") from self.error
@@ -72,9 +81,10 @@ class Loader:
             if self.arena is None:
                 self.arena = _shm.Segment.create(0, name="kpipe-ray-arena")
             segment = self.arena  # reused from task to task: Ray copies the result before the next one
-        alloc = _alloc.begin(segment)  # kpipe.empty: views of `segment`
+        alloc = _alloc.begin(segment)  # kpipe.empty and big np.stack results: views of `segment`
         try:
-            out = self.target[key]
+            with _alloc.stacking_into():
+                out = self.target[key]
         except BaseException:
             if local:
                 self.free.append(slot)
@@ -84,11 +94,15 @@ class Loader:
         treedef, leaves, _ = _tree.flatten(out)
         pools = self.pools.refresh()  # the dataset imported a library with a pool of its own
         if not local:
+            self.arena_alloc = alloc
             return treedef, leaves, (time.perf_counter() - t0, time.process_time() - cpu0), pools, None
         placed = [alloc.offset_of(a) for a in leaves]
         layout = _shm.plan_layout(leaves, placed, start=alloc.used)
         copies = [(a, lay) for a, lay, at in zip(leaves, layout, placed) if at is None]
         segment.write([a for a, _ in copies], [lay for _, lay in copies])
+        del out, leaves, copies
+        if alloc.kept():  # the dataset kept memory of this slot: it is never reused (NOTE in _alloc.py)
+            self.pinned.add(slot)
         return (treedef, None, (time.perf_counter() - t0, time.process_time() - cpu0), pools,
                 (slot, segment.fd, os.getpid(), layout))
 

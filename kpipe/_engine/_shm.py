@@ -476,6 +476,8 @@ class SlotPool:
         self._name = name
         self._closed = False
         self.lease_releases = 0  # leases ended (batches the consumer let go), ever
+        self._pinned = set()  # slots a worker's dataset still references: retired, never reused
+        self.pinned_total = 0
 
     def acquire(self, prefer=()):
         """Returns `(slot_id, created)`: preferably a free slot in `prefer`, else the most
@@ -524,11 +526,20 @@ class SlotPool:
         with self._lock:
             return frozenset(self._free)
 
+    def pin(self, slot):
+        """Marks `slot` as referenced by a worker's dataset: when released it is retired
+        (the worker unmaps it; the dataset's arrays keep its pages), not reused."""
+        with self._lock:
+            if slot in self.segments and slot not in self._pinned:
+                self._pinned.add(slot)
+                self.pinned_total += 1
+
     def release(self, slot):
         with self._lock:
             if self._closed or slot not in self.segments:
                 return
-            if len(self._free) >= self._keep_idle:
+            if slot in self._pinned or len(self._free) >= self._keep_idle:
+                self._pinned.discard(slot)
                 self.segments.pop(slot).close()
                 self.retired.append(slot)
                 return

@@ -13,7 +13,7 @@ Protocol (main -> worker, over one Unix socket, after `init`):
   ("threads", n)                                        the thread budget changed
   ("stop",)
 worker -> main:
-  ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s, cpu_s, runq_s, setup_s)
+  ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s, cpu_s, runq_s, setup_s, pinned)
   ("error", seq, exc) | ("state-ok",) | ("prepared", slot, setup_s) | ("threads", report)
 
 Thread budget: `cfg["threads"]` (and `("threads", n)` later) is how many threads the
@@ -259,10 +259,11 @@ class _Worker:
         timings = (wall, CPU, run-queue, slot set-up) seconds."""
         t0, cpu0, q0, s0 = time.perf_counter(), time.process_time(), self.runq(), setup_seconds()
         segment = self.slots[out_slot]
-        alloc = _alloc.begin(segment)  # kpipe.empty() now allocates in this slot
+        alloc = _alloc.begin(segment)  # kpipe.empty() and big np.stack results now allocate in this slot
         try:
             if self.mode == "dataset":
-                out = self.target[key]
+                with _alloc.stacking_into():
+                    out = self.target[key]
             else:
                 in_slot, in_treedef, in_layout = inputs
                 out = self.target(_tree.unflatten(in_treedef, self.slots[in_slot].views(in_layout, writable=True)))
@@ -273,7 +274,10 @@ class _Worker:
         layout = plan_layout(leaves, placed, start=alloc.used)
         copies = [(a, lay) for a, lay, at in zip(leaves, layout, placed) if at is None]
         segment.write([a for a, _ in copies], [lay for _, lay in copies])
-        return treedef, layout, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0, setup_seconds() - s0)
+        del out, leaves, copies
+        pinned = alloc.kept()  # the dataset kept memory of this slot: never reuse it (NOTE in _alloc.py)
+        return treedef, layout, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0,
+                                 setup_seconds() - s0, pinned)
 
     def serve(self):
         conn = self.conn
