@@ -526,6 +526,36 @@ def test_a_local_instance_kpipe_started_stops_with_the_last_loader_and_a_users_c
     assert ray.is_initialized()  # a cluster kpipe connected to is left running
 
 
+_UNREACHABLE = """
+import socket, sys, time, kpipe
+sys.path.insert(0, sys.argv[1])
+from _datasets import Squares
+
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+port = s.getsockname()[1]
+s.close()  # (nothing listens there now)
+t0 = time.monotonic()
+try:
+    kpipe.ProcessLoader(Squares(n=2), workers=kpipe.RayWorkers(1, address=f"127.0.0.1:{port}"), timeout=5)
+except kpipe.LoaderError as exc:
+    print(type(exc).__name__, round(time.monotonic() - t0), port, str(exc))
+"""
+
+
+def test_an_unreachable_cluster_is_a_named_error_within_the_timeout():
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(here), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _UNREACHABLE, here], capture_output=True, text=True, timeout=120, env=env)
+    kind, seconds, port, message = proc.stdout.strip().split("\n")[-1].split(" ", 3)
+    assert kind == "LoaderError" and int(seconds) < 60, proc.stdout + proc.stderr[-2000:]  # (a hang check)
+    assert f"Could not connect to the Ray cluster at address='127.0.0.1:{port}': nothing answers" in message
+
+
 def test_bad_ray_arguments_are_refused_with_what_was_received():
     with pytest.raises(ValueError, match=r"`count` must be an int >= 1 \(actors\) or 'auto'. Received: count=0"):
         kpipe.RayWorkers(0)

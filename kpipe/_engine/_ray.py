@@ -64,6 +64,7 @@ import functools
 import itertools
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -144,6 +145,8 @@ def connect(address, timeout):
                 _STARTED["count"] += 1
             return _STARTED["by_kpipe"]
         address = address or os.environ.get("RAY_ADDRESS")
+        if address:
+            _check_reachable(address, timeout)  # (ray.init retries an unreachable address for minutes)
         try:
             if address:
                 ray.init(address=address, logging_level="WARNING", log_to_driver=False)
@@ -158,6 +161,25 @@ def connect(address, timeout):
         _STARTED["by_kpipe"] = not address
         _STARTED["count"] = 1 if not address else 0
         return _STARTED["by_kpipe"]
+
+
+def _check_reachable(address, timeout):
+    """A `LoaderError` within `timeout` (10 s at most) where nothing answers at the
+    address's host and port (Ray's GCS port, 6379 when none is given)."""
+    if address in ("auto", "local"):
+        return  # (Ray finds the local cluster itself, or says at once that there is none)
+    where = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        host, port = where, "6379"
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout or 10.0, 10.0)).close()
+    except OSError as exc:
+        raise LoaderError(
+            f"Could not connect to the Ray cluster at address={address!r}: nothing answers at {host}:{port} "
+            f"({type(exc).__name__}: {exc}). Start it (`ray start --head` on that host), or check the address "
+            "(`ray status` on the head node prints it)."
+        ) from None
 
 
 def disconnect(started):
