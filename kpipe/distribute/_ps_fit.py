@@ -34,6 +34,9 @@ counter above still counts it once, so it stays the number of steps the job aske
 The worker's input pipeline restarts with it, so which batches a step sees is not
 reproducible under failures (nor without them: workers pull steps as they free up).
 
+*Which errors are a lost worker* is TF's classification plus one error TF 2.21 raises
+for a killed worker (`_ps_failures.py`).
+
 *Parameter server lost.* Its variables are gone: every pending step fails with
 `UnavailableError` naming `/job:ps/.../task:i`. `ps_fit` raises `ParameterServerError`
 with the task and address; relaunch the whole job, and with `backup_dir` it resumes
@@ -56,7 +59,7 @@ from typing import Callable, Dict, Mapping, Optional
 import keras
 import tensorflow as tf
 
-from kpipe.distribute import _sharding
+from kpipe.distribute import _ps_failures, _sharding
 
 logger = logging.getLogger("kpipe.distribute")
 
@@ -153,6 +156,7 @@ def ps_fit(model, dataset_fn: Callable, *, epochs: int, steps_per_epoch: int,
                          f"scope of {type(tf.distribute.get_strategy()).__name__}.")
     callbacks = _check_callbacks(callbacks)
     verbose = 1 if verbose == "auto" else verbose
+    _ps_failures.install()  # a killed worker's garbled request counts as a lost worker (NOTE there)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     optimizer = model.optimizer
     with strategy.scope():
