@@ -122,10 +122,7 @@ def autoscale_for(workers, max_queue_size, start_method, use_threads):
     remote_auto = isinstance(workers, RayWorkers) and workers.count == "auto"
     if not remote_auto and not (isinstance(workers, str) and workers == "auto"):
         return None, max_queue_size
-    if remote_auto:
-        if use_threads:
-            check_workers(workers, use_threads)  # (raises: Ray actors are not threads)
-    else:
+    if not remote_auto:  # (RayWorkers with use_threads: refused by check_workers)
         _autoscale.AutoscaleDriver.check_arguments(start_method, use_threads)
     if max_queue_size is not None:
         max_queue_size = check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")

@@ -33,7 +33,7 @@ import threading
 
 import numpy as np
 
-from kpipe._engine._shm import align
+from kpipe._engine._shm import align, plan_layout
 
 _CURRENT = None  # the SlotAllocator of the task this process is running, if any
 _OWNER = None  # the thread running that task: only its allocations go to the slot (a bump allocator)
@@ -47,6 +47,16 @@ class SlotAllocator:
         self.used = 0
         self._maps = []  # (base address, size) of every mapping handed out
         self._bufs = []  # the mapping arrays handed-out arrays view (see `kept`)
+
+    def place(self, leaves):
+        """Lays a batch's `leaves` out in this slot: arrays allocated here (`kpipe.empty`,
+        big `np.stack` results) stay where they are, the others are copied in after them.
+        Returns the layout (`plan_layout`) the consumer's views are made from."""
+        placed = [self.offset_of(a) for a in leaves]
+        layout = plan_layout(leaves, placed, start=self.used)
+        copies = [(a, lay) for a, lay, at in zip(leaves, layout, placed) if at is None]
+        self.segment.write([a for a, _ in copies], [lay for _, lay in copies])
+        return layout
 
     def kept(self):
         """Whether something other than the segment still references memory this task

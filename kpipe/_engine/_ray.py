@@ -228,7 +228,6 @@ class RayBackend(Backend):
         self._actors = []
         self._tasks = {}  # seq -> [key, seed, actor, ref, state]: `state`, the payload's ref it was submitted under
         self._seq = itertools.count()
-        self._dead = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _kill_all, self._actors, self._started)
         self.timings = [0, 0.0, 0.0, 0.0]  # batches done; their wall, CPU and run-queue seconds
         self._failures = 0

@@ -96,11 +96,8 @@ class Loader:
         if not local:
             self.arena_alloc = alloc
             return treedef, leaves, (time.perf_counter() - t0, time.process_time() - cpu0), pools, None
-        placed = [alloc.offset_of(a) for a in leaves]
-        layout = _shm.plan_layout(leaves, placed, start=alloc.used)
-        copies = [(a, lay) for a, lay, at in zip(leaves, layout, placed) if at is None]
-        segment.write([a for a, _ in copies], [lay for _, lay in copies])
-        del out, leaves, copies
+        layout = alloc.place(leaves)
+        del out, leaves
         if alloc.kept():  # the dataset kept memory of this slot: it is never reused (NOTE in _alloc.py)
             self.pinned.add(slot)
         return (treedef, None, (time.perf_counter() - t0, time.process_time() - cpu0), pools,

@@ -477,7 +477,6 @@ class SlotPool:
         self._closed = False
         self.lease_releases = 0  # leases ended (batches the consumer let go), ever
         self._pinned = set()  # slots a worker's dataset still references: retired, never reused
-        self.pinned_total = 0
 
     def acquire(self, prefer=()):
         """Returns `(slot_id, created)`: preferably a free slot in `prefer`, else the most
@@ -530,9 +529,8 @@ class SlotPool:
         """Marks `slot` as referenced by a worker's dataset: when released it is retired
         (the worker unmaps it; the dataset's arrays keep its pages), not reused."""
         with self._lock:
-            if slot in self.segments and slot not in self._pinned:
+            if slot in self.segments:
                 self._pinned.add(slot)
-                self.pinned_total += 1
 
     def release(self, slot):
         with self._lock:

@@ -66,7 +66,7 @@ import numpy as np
 
 from kpipe._engine import _alloc, _pickling, _threads, _tree
 from kpipe._engine import worker_info as _wi
-from kpipe._engine._shm import Segment, plan_layout, setup_seconds
+from kpipe._engine._shm import Segment, setup_seconds
 from kpipe._engine._wire import recv_fds, send_fds
 from kpipe.errors import LoaderError
 
@@ -256,7 +256,8 @@ class _Worker:
 
     def run_task(self, seq, key, out_slot, inputs):
         """Loads one batch into `out_slot`; returns `(treedef, layout, timings)`,
-        timings = (wall, CPU, run-queue, slot set-up) seconds."""
+        timings = (wall, CPU, run-queue, slot set-up) seconds and whether the dataset kept
+        memory of the slot (`pinned`)."""
         t0, cpu0, q0, s0 = time.perf_counter(), time.process_time(), self.runq(), setup_seconds()
         segment = self.slots[out_slot]
         alloc = _alloc.begin(segment)  # kpipe.empty() and big np.stack results now allocate in this slot
@@ -270,11 +271,8 @@ class _Worker:
         finally:
             _alloc.end()
         treedef, leaves, _ = _tree.flatten(out)
-        placed = [alloc.offset_of(a) for a in leaves]
-        layout = plan_layout(leaves, placed, start=alloc.used)
-        copies = [(a, lay) for a, lay, at in zip(leaves, layout, placed) if at is None]
-        segment.write([a for a, _ in copies], [lay for _, lay in copies])
-        del out, leaves, copies
+        layout = alloc.place(leaves)
+        del out, leaves
         pinned = alloc.kept()  # the dataset kept memory of this slot: never reuse it (NOTE in _alloc.py)
         return treedef, layout, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0,
                                  setup_seconds() - s0, pinned)
