@@ -19,11 +19,21 @@ does):
            (`ray.cluster_utils.Cluster`, 8 CPUs' worth of actors each). Waiting costs no
            CPU, so simulated nodes show the scaling honestly; the target is 0.9 x 8 x the
            2 local workers.
+  blas     "more actors never slower" (issue #30's rule, for actors): the BLAS workload of
+           bench_loaders (a 160x160 float32 matrix through six `tanh(a @ a.T)` per batch;
+           NumPy's BLAS pool in each actor) at every count of `--counts` (default
+           1,2,4,8,16) and at count="auto", process workers and Ray actors on this node
+           side by side. Each actor reserves num_cpus = 2/max(counts) (so that every
+           count fits on this node's 2 CPUs; a real node places num_cpus=1 actors up to its
+           cores) and limits its pools to 1 thread; process workers share the host's
+           CPUs among themselves. Printed as a grid with multiples of count=1 of the same
+           backend, and issue #30's targets for the actors.
   fit      `model.fit()` on 1.5 MB batches (128 x 64 x 64 x 3 uint8) and a near-free
            model: steps/s of the best epoch, 2 process workers vs 2 Ray actors.
 
     python scripts/bench_ray.py                      # all rows
     python scripts/bench_ray.py --rows c --json ray.json
+    python scripts/bench_ray.py --rows blas --counts 1,2,4,8,16
     python scripts/bench_ray.py --quick              # a smoke test, not a measurement
 """
 
@@ -43,7 +53,7 @@ import bench_loaders  # noqa: E402
 
 import kpipe  # noqa: E402
 
-_ROWS = ("b", "c", "fit")
+_ROWS = ("b", "c", "blas", "fit")
 
 
 def rate(loader, epochs):
@@ -99,6 +109,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(_ROWS), help=f"comma-separated subset of {','.join(_ROWS)}. Default: all")
     parser.add_argument("--rounds", type=int, default=2, help="runs of every arm, in rounds; the best counts. Default: 2")
+    parser.add_argument("--counts", default="1,2,4,8,16", help="worker/actor counts of the blas row (and 'auto'). Default: 1,2,4,8,16")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke test, not a measurement)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -106,6 +117,7 @@ def main(argv=None):
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1. Received: {args.rounds}")
     rounds = 1 if args.quick else args.rounds
+    counts = [1, 2] if args.quick else _bench.parse_counts(parser, "--counts", args.counts)
     import ray
     from ray.cluster_utils import Cluster
 
@@ -130,6 +142,13 @@ def main(argv=None):
                     "ray actors=16 (2 nodes)": lambda: kpipe.ProcessLoader(
                         bench_loaders.Waits(n=n), workers=kpipe.RayWorkers(16, num_cpus=1, resources={"io": 1}))}
             results += _compare("c", arms, 1 if args.quick else 3, rounds)
+        if "blas" in rows:
+            n, share = 8 if args.quick else 60, 2 / max(counts)
+            for count in counts + ["auto"]:
+                spec = kpipe.RayWorkers(count, num_cpus=share, resources={"head": share})
+                arms = {f"process workers={count}": lambda count=count: kpipe.ProcessLoader(bench_loaders.Blas(n=n), workers=count),
+                        f"ray actors={count}": lambda spec=spec: kpipe.ProcessLoader(bench_loaders.Blas(n=n), workers=spec)}
+                results += _compare(f"blas@{count}", arms, 1 if args.quick else 10, rounds)
         if "fit" in rows:
             steps = 8 if args.quick else 64
             arms = {"process workers=2": lambda: kpipe.ProcessLoader(Images(steps), workers=2),
@@ -147,7 +166,10 @@ def main(argv=None):
     table = _summary(results)
     print()
     columns = [("row", "<6", ""), ("arm", "<28", ""), ("best", ">12", ".1f"), ("unit", ">11", ""), ("x process", ">11", ".2f")]
-    _bench.print_table(columns, [[r[title] for title, _, _ in columns] for r in table])
+    main_rows = [[r[title] for title, _, _ in columns] for r in table if not r["row"].startswith("blas@")]
+    if main_rows:
+        _bench.print_table(columns, main_rows)
+    _print_blas(table)
     checks = _checks(table)
     print("\nTargets:")
     bench_loaders.print_checks(checks)
@@ -190,6 +212,24 @@ def _summary(results):
     return table
 
 
+def _print_blas(table):
+    """The blas row as a grid: samples/s by count, with multiples of count=1 of the same backend."""
+    blas = [r for r in table if r["row"].startswith("blas@")]
+    if not blas:
+        return
+    counts = list(dict.fromkeys(r["row"].split("@")[1] for r in blas))
+    print(f"\nblas: samples/s by count (x count=1 of the same backend; ray x process at that count)")
+    print(f"{'count':>6}  {'process workers':>24}  {'ray actors':>24}  {'ray x process':>13}")
+    for c in counts:
+        cells, rates = [], {}
+        for backend in ("process", "ray"):
+            r = next(r for r in blas if r["row"] == f"blas@{c}" and r["arm"].startswith(backend))
+            one = next((o["best"] for o in blas if o["row"] == "blas@1" and o["arm"].startswith(backend)), None)
+            rates[backend] = r["best"]
+            cells.append(f"{r['best']:10.1f}" + (f" ({r['best'] / one:4.2f}x)" if one else ""))
+        print(f"{c:>6}  {cells[0]:>24}  {cells[1]:>24}  {rates['ray'] / rates['process']:13.2f}")
+
+
 def _checks(table):
     def x(row, prefix):
         return next((r["x process"] for r in table if r["row"] == row and r["arm"].startswith(prefix)), None)
@@ -199,6 +239,8 @@ def _checks(table):
         checks.append(("(b) Ray actors on the same node >= 0.8x the shared-memory process workers", x("b", "ray"), 0.8))
     if x("c", "ray") is not None:
         checks.append(("(c) 16 Ray actors on 2 nodes >= 0.9 x 8 x 2 local workers", x("c", "ray") / 8, 0.9))
+    rates = {r["row"].split("@")[1]: r["best"] for r in table if r["row"].startswith("blas@") and r["arm"].startswith("ray")}
+    checks += bench_loaders.blas_checks({c if c == "auto" else int(c): rate for c, rate in rates.items()}, who="ray actors")
     if x("fit", "ray") is not None:
         checks.append(("(fit) steps/s from Ray actors >= 0.8x from process workers", x("fit", "ray"), 0.8))
     return checks

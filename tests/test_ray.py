@@ -586,10 +586,181 @@ def test_bench_ray_quick_run_reports_every_row_and_its_target(tmp_path):
                           capture_output=True, text=True, timeout=560, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert {(r["row"], r["arm"].split()[0]) for r in result["table"]} == {(row, arm) for row in ("b", "c", "fit") for arm in ("process", "ray")}
+    rows = ("b", "c", "blas@1", "blas@2", "blas@auto", "fit")
+    assert {(r["row"], r["arm"].split()[0]) for r in result["table"]} == {(row, arm) for row in rows for arm in ("process", "ray")}
     assert all(r["best"] > 0 for r in result["table"])
     assert [r["arm"] for r in result["table"] if r["row"] == "b"] == [
         "process workers=2", "ray actors=2 (this node)", "ray actors=2 (object store)"]
-    assert [c[0].split(")")[0] for c in result["checks"]] == ["(b", "(c", "(fit"]
+    assert [c[0].split(")")[0] for c in result["checks"]] == ["(b", "(c", "(blas", "(blas", "(blas", "(fit"]
     c_actors = [r for r in result["results"] if r["row"] == "c" and r["arm"].startswith("ray")]
     assert all(len(r["actor_nodes"]) == 2 for r in c_actors)  # spread over the two "io" nodes
+
+
+_DRIVER = """
+import sys, time, psutil, kpipe
+sys.path.insert(0, sys.argv[1])
+from _datasets import Squares
+
+loaders = [kpipe.ProcessLoader(Squares(n=8), workers=kpipe.RayWorkers(2, num_cpus=0.5, **kw)) for kw in eval(sys.argv[2])]
+for loader in loaders:
+    loader[0], loader[1]  # batches queued on every actor when the process is killed
+print("ACTORS", *[p for loader in loaders for p in loader.stats()["pids"]], flush=True)
+print("TREE", *[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
+time.sleep(600)
+"""
+
+
+def _killed_driver(address, placements):
+    """Starts a training process with a loader per placement, SIGKILLs it once its actors
+    have loaded, and returns (its actors' pids, every process it had started)."""
+    import subprocess
+    import sys
+
+    from conftest import killed_at_exit
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(here), env.get("PYTHONPATH")]))
+    if address:
+        env["RAY_ADDRESS"] = address
+    proc = subprocess.Popen([sys.executable, "-c", _DRIVER, here, repr(placements)], stdout=subprocess.PIPE, text=True, env=env)
+    with killed_at_exit(proc):
+        printed = {}
+        for line in proc.stdout:
+            key, *pids = line.split()
+            printed[key] = [int(p) for p in pids]
+            if key == "TREE":
+                break
+        assert "TREE" in printed, f"the training process ended early (exit {proc.wait(60)})"
+        proc.kill()  # SIGKILL: no close(), no atexit, no finalizer runs
+        proc.wait(60)
+    return printed["ACTORS"], printed["TREE"]
+
+
+@pytest.mark.slow
+def test_a_killed_training_process_leaves_no_actor_on_a_users_cluster_which_runs_on(cluster):
+    from conftest import gone
+
+    ray_cluster, _ = cluster
+    actors, _ = _killed_driver(ray_cluster.address, [{"resources": HERE}, {"resources": TAGGED}])
+    assert len(set(actors)) == 4
+    assert gone(actors)  # Ray ends the actors of a job whose driver died
+    with kpipe.ProcessLoader(Squares(n=4), workers=kpipe.RayWorkers(2, resources=TAGGED)) as loader:
+        assert [_ids(loader[i]) for i in range(4)] == [0, 1, 2, 3]  # the cluster itself runs on
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_killed_training_process_takes_the_local_instance_kpipe_started_with_it():
+    from conftest import gone, live_pids
+
+    actors, tree = _killed_driver(None, [{}])
+    assert len(set(actors)) == 2 and set(actors) <= set(tree)
+    # The actors, the raylet and the GCS end at once; Ray's two agents (DashboardAgent,
+    # RuntimeEnvAgent) first try to tell the dead GCS that the raylet died, which Ray
+    # waits 60 s for (`publish_error_to_driver`), then exit: the deadline allows that.
+    assert gone(actors), f"actors left: {live_pids(actors)}"
+    assert gone(tree, within_s=180), f"processes of the local Ray instance left: {live_pids(tree)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["other nodes", "this node"])
+def test_50_epochs_of_a_replacing_dataset_stay_flat_on_actors(cluster, where):
+    """The soak test of local workers (tests/test_soak.py) on actors: a dataset replacing
+    its 8 MB index array in `on_epoch_end` (so its state travels to the actors at every
+    pass end), 50 epochs: the same actors, descriptors and slot mappings at epoch 5 and
+    epoch 50, no more objects in Ray's store once its frees have run, and private memory
+    (RssAnon) of this process and the actors within a tolerance: a leaked state would add
+    8 MB an epoch. (Not RSS: it counts the pages of Ray's shared object store a process
+    has touched, which grow towards the store's size as objects land in new places.)"""
+    import ctypes
+    import gc
+
+    import psutil
+    from _engine_datasets import Replacing, fd_count, memfd_count
+
+    def slot_mappings(pid):
+        with open(f"/proc/{pid}/maps") as f:
+            return len({line.split()[4] for line in f if "memfd:kpipe" in line})
+
+    def rss_anon(pid):  # private memory: Ray's object store, mapped into every worker, is shared
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+    def snapshot(loader):
+        gc.collect()
+        ctypes.CDLL(None).malloc_trim(0)  # free 8 MB blocks glibc keeps here (`want`'s) are not growth
+        pids = loader.stats()["pids"]
+        procs = [psutil.Process()] + [psutil.Process(p) for p in pids]
+        return {"actors": sorted(pids), "fds": [fd_count(p.pid) for p in procs], "memfds": [memfd_count(p.pid) for p in procs],
+                "maps": [slot_mappings(p.pid) for p in procs], "rss": [rss_anon(p.pid) for p in procs],
+                "objects": _objects_in_store(at_most=snaps[6]["objects"] if snaps else None)}
+
+    spec = kpipe.RayWorkers(2, resources=TAGGED) if where == "other nodes" else kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE)
+    want = Replacing(n=1_000_000, batches=8)  # the same dataset, advanced here, for the expected batches
+    snaps = {}
+    _objects_in_store(within_s=0)  # (the first call's imports and client are not growth)
+    with kpipe.ProcessLoader(Replacing(n=1_000_000, batches=8), workers=spec) as loader:
+        for epoch in range(51):
+            for i in range(8):
+                x, e = loader[i]
+                assert x.tolist() == want.indexes[4 * i : 4 * i + 4].tolist() and int(e[0]) == epoch
+            del x, e
+            if epoch in (6, 50):  # (even epochs: this process holds one state or two, by parity)
+                snaps[epoch] = snapshot(loader)
+            loader.on_epoch_end()
+            want.on_epoch_end()
+        assert loader.stats()["restarts"] == 0
+    start, end = snaps[6], snaps[50]
+    for key in ("actors", "fds", "memfds", "maps"):
+        assert end[key] == start[key], f"{key} after 6 epochs: {start[key]}, after 50: {end[key]}"
+    assert end["objects"] <= start["objects"], f"objects in Ray's store after 6 epochs: {start['objects']}, after 50: {end['objects']}"
+    growth = [(b - a) / (1 << 20) for a, b in zip(start["rss"], end["rss"])]
+    assert max(growth) < 8, f"RssAnon growth over 44 epochs (this process, actors), MiB: {growth}"
+
+
+def _objects_in_store(at_most=None, within_s=30.0):
+    """Objects Ray's stores hold, cluster-wide (what `ray memory --stats-only` counts), once
+    the count has settled: Ray frees objects asynchronously, so right after a pass the
+    count still holds some of its batches. With `at_most`, waits (up to `within_s`) for
+    the count to fall to it; else for two equal readings 1 s apart."""
+    import re
+
+    from ray._private.internal_api import memory_summary
+
+    def count():
+        summary = memory_summary(stats_only=True)
+        found = re.search(r"(\d+) objects", summary)
+        assert found, summary
+        return int(found.group(1))
+
+    deadline, last = time.monotonic() + within_s, count()
+    while time.monotonic() < deadline:  # (a deadline: the count is read, whatever it is)
+        time.sleep(1.0)
+        now = count()
+        if (now <= at_most) if at_most is not None else (now == last):
+            return now
+        last = now
+    return last
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["ordered", "shuffled"])
+@pytest.mark.parametrize("steps", [None, 4, 5, 12, 13], ids=lambda s: f"steps_per_epoch={s}")
+def test_fit_consumes_the_steps_plain_keras_takes(cluster, steps, shuffle, tmp_path):
+    """tests/test_passes.py's comparison with plain Keras, on actors: the same number of
+    steps, whole passes in plan order, the same ids as plain Keras when not shuffled, and
+    one load per step (read-ahead stops where the last epoch does)."""
+    from test_passes import BatchIds, consumed, loads, new_model, planned
+
+    n, epochs = 12, 5
+    keras_ids = consumed(new_model().fit, BatchIds(n), epochs=epochs, steps_per_epoch=steps, shuffle=False)[0]
+    log = tmp_path / "loads"
+    with kpipe.ProcessLoader(BatchIds(n, log=str(log)), workers=kpipe.RayWorkers(2, resources=TAGGED), shuffle=shuffle, seed=0) as loader:
+        ids, _ = consumed(new_model().fit, loader, epochs=epochs, steps_per_epoch=steps)
+        stats = loader.stats()
+    assert len(ids) == len(keras_ids)
+    assert ids == planned(n, len(ids), shuffle, seed=0)
+    if not shuffle:
+        assert ids == keras_ids
+    assert stats["passes"] == len(ids) // n
+    assert loads(log) == len(ids)
