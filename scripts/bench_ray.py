@@ -218,7 +218,7 @@ def _print_blas(table):
     if not blas:
         return
     counts = list(dict.fromkeys(r["row"].split("@")[1] for r in blas))
-    print(f"\nblas: samples/s by count (x count=1 of the same backend; ray x process at that count)")
+    print("\nblas: samples/s by count (x count=1 of the same backend; ray x process at that count)")
     print(f"{'count':>6}  {'process workers':>24}  {'ray actors':>24}  {'ray x process':>13}")
     for c in counts:
         cells, rates = [], {}
