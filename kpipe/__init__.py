@@ -40,7 +40,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; resolved on first access (PEP 562).
 _LAZY_ATTRS = {
     "ProcessLoader": "kpipe.loader",
-    "RayWorkers": "kpipe._engine._ray",
+    "RayWorkers": "kpipe._engine._ray_cluster",
     "fit_generator": "kpipe.fit",
 }
 _LAZY_MODULES = ("data", "distribute", "callbacks")

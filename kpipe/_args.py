@@ -9,7 +9,7 @@ import numpy as np
 
 from kpipe import _devices
 from kpipe._engine import _autoscale
-from kpipe._engine._ray import RayWorkers
+from kpipe._engine._ray_cluster import RayWorkers
 
 
 def check_int(name, value, minimum, fix):

@@ -8,7 +8,7 @@ import os
 import keras
 
 from kpipe import _args, _dataset_api, _keras_hook, _reader, _samples, _stream, _tf_dataset
-from kpipe._engine import _threads
+from kpipe._engine import _ray, _threads
 
 _DEFAULT_TIMEOUT_S = 120.0
 
@@ -108,7 +108,10 @@ class ProcessLoader(keras.utils.PyDataset):
             slot only for a worker that would idle otherwise, so the slots number
             about the batches in flight plus those you hold. Defaults to
             `max(4, 2 * workers)` (with `workers="auto"`, twice the most workers it
-            may run; it also caps that number).
+            may run; it also caps that number); with `RayWorkers(n)`, 8 times
+            `max(4, 2 * n)`: small, quick batches share actor calls, and the window
+            then keeps two calls per actor in flight (batches over 4 MiB or 5 ms of
+            work never share one, so they stay at two per actor).
         max_queue_bytes: Also bound the bytes loaded ahead: fewer batches are queued
             when the last batch times the queue length would exceed it (at least one
             batch per worker stays in flight). Defaults to None (batches only).
@@ -205,8 +208,8 @@ class ProcessLoader(keras.utils.PyDataset):
             raise TypeError(f"`epoch_end_ahead` must be True or False. Received: epoch_end_ahead={epoch_end_ahead!r}.")
         autoscale, max_queue_size = _args.autoscale_for(workers, max_queue_size, start_method, use_threads)  # "auto"
         workers, remote = _args.check_workers(workers, use_threads, autoscale)  # remote: kpipe.RayWorkers(...) or None
-        if max_queue_size is None:
-            max_queue_size = max(4, 2 * workers)
+        if max_queue_size is None:  # (Ray actors: room for small batches sharing calls, see kpipe/_engine/_ray.py)
+            max_queue_size = max(4, 2 * workers) * (_ray.MAX_PER_CALL if remote is not None else 1)
         max_queue_size = _args.check_int("max_queue_size", max_queue_size, 1, "It bounds the batches loaded ahead; use at least 1.")
         super().__init__(workers=1, use_multiprocessing=False, max_queue_size=max_queue_size)
         if max_queue_bytes is not None:

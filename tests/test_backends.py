@@ -31,7 +31,8 @@ def _processes(target):
 
 def _ray(target):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'kpipe[ray]')")
-    from kpipe._engine._ray import RayBackend, RayWorkers
+    from kpipe._engine._ray import RayBackend
+    from kpipe._engine._ray_cluster import RayWorkers
 
     return RayBackend(target, workers=RayWorkers(2, num_cpus=0.5), timeout=120.0, seed=0, name=type(target).__name__,
                       max_workers=3)

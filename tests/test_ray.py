@@ -764,3 +764,94 @@ def test_fit_consumes_the_steps_plain_keras_takes(cluster, steps, shuffle, tmp_p
         assert ids == keras_ids
     assert stats["passes"] == len(ids) // n
     assert loads(log) == len(ids)
+
+
+def _count_calls(loader):
+    """The number of batches in each actor call the loader's backend sends from now on."""
+    backend, calls = reader_of(loader).backend, []
+    real = backend._load
+
+    def counting(actor, items):
+        calls.append(len(items))
+        return real(actor, items)
+
+    backend._load = counting
+    return calls
+
+
+@pytest.mark.parametrize("where", ["other nodes", "this node"])
+def test_small_quick_batches_share_actor_calls_and_arrive_in_plan_order(cluster, where):
+    spec = kpipe.RayWorkers(2, resources=TAGGED) if where == "other nodes" else kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE)
+    with kpipe.ProcessLoader(Squares(n=40), workers=spec, shuffle=True, seed=3) as loader:
+        calls, loads = _count_calls(loader), loader.stats()["loads"]
+        got = []
+        for _ in range(3):
+            got += [_ids(loader[i]) for i in range(40)]
+            loader.on_epoch_end()
+        backend = reader_of(loader).backend
+        shared, unsent = backend.batches_per_call(), sum(len(a.outbox) for a in backend._actors)
+        loads = loader.stats()["loads"] - loads
+    assert got == _reference(40, 3, shuffle=True, seed=3)
+    assert shared > 1 and max(calls) > 1  # Ray's cost per call is shared by several batches
+    assert sum(calls) + unsent == loads  # each batch asked for once (the last ones wait to fill a call)
+
+
+def test_big_batches_never_share_a_call(cluster):
+    with kpipe.ProcessLoader(Squares(n=10, batch=600_000), workers=kpipe.RayWorkers(2, resources=TAGGED)) as loader:
+        calls = _count_calls(loader)  # 4.8 MB batches: over the 4 MiB that may share a call
+        got = [_ids(loader[i]) for _ in range(2) for i in range(10)]
+        assert reader_of(loader).backend.batches_per_call() == 1
+    assert got == list(range(10)) * 2
+    assert calls and max(calls) == 1
+
+
+def test_a_batch_failing_in_a_shared_call_raises_alone(cluster):
+    with kpipe.ProcessLoader(Failing("raise", bad=30, n=40), workers=kpipe.RayWorkers(2)) as loader:
+        calls = _count_calls(loader)
+        got = [float(loader[i][0][0, 0]) for i in range(30)]
+        with pytest.raises(ValueError, match="cannot decode record 30") as info:
+            loader[30]
+        assert info.value.kpipe_batch_index == 30
+        assert "Original traceback from the worker" in str(info.value) and "_datasets.py" in str(info.value)
+        got += [float(loader[i][0][0, 0]) for i in range(31, 40)]  # the other batches of its call arrive
+    assert max(calls) > 1
+    assert got == [float(i) for i in range(40) if i != 30]
+
+
+@pytest.mark.parametrize("where", ["other nodes", "this node"])
+def test_an_actor_killed_with_shared_calls_in_flight_is_replaced_and_every_batch_arrives_once_in_order(cluster, where):
+    spec = kpipe.RayWorkers(2, resources=TAGGED) if where == "other nodes" else kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE)
+    with kpipe.ProcessLoader(Squares(n=40), workers=spec, shuffle=True, seed=8) as loader:
+        calls = _count_calls(loader)
+        got = [_ids(loader[i]) for i in range(40)]  # (calls are shared from here on)
+        loader.on_epoch_end()
+        held = loader[0]
+        got += [_ids(held)] + [_ids(loader[i]) for i in range(1, 3)]
+        pids = loader.stats()["pids"]
+        os.kill(pids[0], signal.SIGKILL)  # with shared calls queued on it
+        got += [_ids(loader[i]) for i in range(3, 40)]
+        loader.on_epoch_end()
+        got += [_ids(loader[i]) for i in range(40)]
+        assert loader.stats()["pids"][0] != pids[0]
+        assert _ids(held) == got[40]  # a batch held across its actor's death is intact
+    assert max(calls) > 1
+    assert got == _reference(40, 3, shuffle=True, seed=8)
+
+
+@pytest.mark.parametrize("where", ["other nodes", "this node"])
+def test_jumps_discard_batches_of_shared_calls_and_their_slots_come_back(cluster, where):
+    spec = kpipe.RayWorkers(2, resources=TAGGED) if where == "other nodes" else kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE)
+    with kpipe.ProcessLoader(Squares(n=600), workers=spec) as loader:
+        calls = _count_calls(loader)
+        backend = reader_of(loader).backend
+        got, want = [], []
+        for start in range(0, 600, 10):  # read 3, skip 7: the window's batches in between are discarded
+            for i in (start, start + 1, start + 2):
+                got.append(_ids(loader[i]))
+                want.append(i)
+        stats = loader.stats()
+        slots = backend.local_slots()
+    assert got == want
+    assert max(calls) > 1 and stats["discards"] > 0
+    if where == "this node":  # discarded batches' slots were released and reused: not 7 more a jump
+        assert slots <= 2 * loader.max_queue_size + 2  # (those in flight, and the discarded ones still loading)

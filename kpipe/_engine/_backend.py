@@ -74,6 +74,11 @@ class Backend:
     def prepare_slots(self, up_to):
         return 0
 
+    def batches_per_call(self):
+        """Batches that travel to a worker together now (the window keeps twice that in
+        flight per worker); 1 but for Ray actors (`_ray.py`)."""
+        return 1
+
     # -- thread budget (thread_budget) ---------------------------------------------------
     @property
     def worker_threads(self):

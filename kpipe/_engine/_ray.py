@@ -7,7 +7,7 @@ When one machine's cores cannot feed its accelerators, the Python work of a `PyD
 arbitrary Python there; kpipe keeps its guarantees in the loader (`Position`, `Window`, the
 epoch-hook rule), so only the backend changes (the protocol in `_backend.py`):
 
-    main: RayBackend.submit(index, seed) -> actor.load.remote(index, seed, released, local)
+    main: RayBackend.submit(index, seed) -> actor.load_many.remote([(index, seed), ...], released, local)
     actor: reseed random/numpy.random from the batch's seed (as a process worker does);
            batch = dataset[index]; returned with its timings, one of two ways:
       other node (local=False): the arrays, which Ray copies into its object store when
@@ -26,6 +26,20 @@ epoch-hook rule), so only the backend changes (the protocol in `_backend.py`):
            store. On one node this removes Ray's copy of every batch (77 MB batches:
            0.24x of process workers through the object store, see scripts/bench_ray.py).
 
+* Small, quick batches share actor calls. A Ray actor call costs CPU of its own (here, Ray
+  2.60: ~0.6 ms in this process and ~0.45 ms in the actor), which for batches of about a
+  millisecond of work is as much as the work: with one call per batch, 1 to 16 actors all
+  delivered about what one did. So once 8 batches were measured, batches under 4 MiB taking
+  less than 5 ms (not counting waits for a CPU; waits for I/O count) go to an actor
+  several at a time (`batches_per_call`: up to 8, enough to make the call's cost small
+  beside their work), in one `load_many` call that returns each batch's outcome (an
+  exception in one batch is that batch's alone). Submitted batches wait in the actor's
+  outbox until a call is full -- or at once when the actor has nothing to do, when the
+  consumer waits for one of them, and before a new state is sent (so that they load under
+  the state they were submitted under). The window keeps two calls per actor in flight
+  (`Window.limit` multiplies its depth by `batches_per_call`, within `max_queue_size`,
+  whose default is 8x larger with actors), so one call loads while the next fills. Big
+  or slow batches never share a call: they stay at two per actor, as before.
 * The dataset goes to the actors once, through the object store (`ray.put` of kpipe's
   pickle: classes from `__main__`/notebooks by value, Keras's `PyDataset` base swapped for
   a TensorFlow-free stand-in, as for process workers), and again after a hook changed it.
@@ -59,147 +73,43 @@ epoch-hook rule), so only the backend changes (the protocol in `_backend.py`):
 """
 
 import collections
-import dataclasses
 import functools
 import itertools
 import logging
 import os
-import socket
 import sys
-import threading
 import time
 import weakref
-from typing import Optional, Union
+
+import numpy as np
 
 from kpipe._engine import _pickling, _procs, _ray_actor, _shm, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._backend import Backend
+from kpipe._engine._ray_cluster import connect, disconnect
+from kpipe._engine._ray_cluster import ray_module as _ray
+from kpipe._engine._worker import rebuild_exception
 from kpipe.errors import BatchTimeoutError, LoaderClosedError, LoaderError, WorkerDiedError
 
-_CONNECT_LOCK = threading.Lock()
-_STARTED = {"count": 0, "by_kpipe": False}  # loaders using a Ray instance kpipe started
 _MAX_REPLACEMENTS = 8  # actors replaced in a row without a batch delivered: the cluster is failing
+# Batches sharing an actor call (see the NOTE): Ray's cost per call, about 1 ms of CPU here
+# (0.6 ms in this process, 0.45 ms in the actor), weighs on batches of little work.
+_CALL_COST_S = 0.005  # batches taking less time than this (without waiting for a CPU) share calls...
+_SMALL_BATCH_BYTES = 4 << 20  # ...if they are this small (more batches in flight cost little memory)
+MAX_PER_CALL = 8  # at most this many per call
 _WORKERS_PER_CPU = 8  # actors reserving no resource, per CPU of a node (as `_autoscale.WORKERS_PER_CPU`)
 logger = logging.getLogger("kpipe")
 
 
-@dataclasses.dataclass(frozen=True)
-class RayWorkers:
-    """Loader workers as Ray actors, for `ProcessLoader(dataset, workers=RayWorkers(...))`.
-
-    Args:
-        count: Actors loading batches, or `"auto"`: kpipe starts 2 and adds or retires
-            actors from measured timings, as `workers="auto"` does with processes (the
-            NOTE in `_autoscale.py`), within what the cluster's live nodes can place for
-            `num_cpus`/`resources` and `max_count`.
-        address: The Ray cluster to connect to (`"auto"`, `"ray://host:10001"`, ...).
-            Defaults to None: `RAY_ADDRESS` if set, else a local Ray instance that kpipe
-            starts for the loader and shuts down with the last loader using it.
-        num_cpus: CPUs each actor reserves. Defaults to 1.
-        resources: Custom resources each actor needs, e.g. `{"preprocess": 1}` to place
-            actors only on nodes started with that resource. Defaults to None.
-        max_count: With `count="auto"`, the most actors. Defaults to None: what the
-            cluster can place (at most 64).
-
-    Example (a local Ray instance; needs `pip install "kpipe[ray]"`):
-
-        loader = kpipe.ProcessLoader(Images(...), workers=kpipe.RayWorkers(16, resources={"preprocess": 1}))
-    """
-
-    count: Union[int, str]
-    address: Optional[str] = None
-    num_cpus: float = 1
-    resources: Optional[dict] = None
-    max_count: Optional[int] = None
-
-    def __post_init__(self):
-        if self.count != "auto" and (isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1):
-            raise ValueError(f"`count` must be an int >= 1 (actors) or 'auto'. Received: count={self.count!r}.")
-        if self.max_count is not None and (isinstance(self.max_count, bool) or not isinstance(self.max_count, int)
-                                           or self.max_count < 1 or self.count != "auto"):
-            raise ValueError(f"`max_count` bounds count='auto' and must be an int >= 1. Received: count={self.count!r}, "
-                             f"max_count={self.max_count!r}.")
-        if not isinstance(self.num_cpus, (int, float)) or isinstance(self.num_cpus, bool) or self.num_cpus < 0:
-            raise ValueError(f"`num_cpus` must be a number >= 0. Received: num_cpus={self.num_cpus!r}.")
-        if self.resources is not None and (not isinstance(self.resources, dict) or not all(
-                isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in self.resources.items())):
-            raise ValueError(f"`resources` must map resource names to positive amounts, e.g. {{'preprocess': 1}}. "
-                             f"Received: resources={self.resources!r}.")
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise LoaderError("RayWorkers needs Ray: pip install 'kpipe[ray]' (or `pip install ray`).") from None
-    return ray
-
-
-def connect(address, timeout):
-    """Connects this process to Ray (or starts a local instance). Returns whether kpipe
-    started it (then `disconnect` shuts it down with its last user)."""
-    ray = _ray()
-    with _CONNECT_LOCK:
-        if ray.is_initialized():
-            if _STARTED["by_kpipe"]:
-                _STARTED["count"] += 1
-            return _STARTED["by_kpipe"]
-        address = address or os.environ.get("RAY_ADDRESS")
-        if address:
-            _check_reachable(address, timeout)  # (ray.init retries an unreachable address for minutes)
-        try:
-            if address:
-                ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-            else:
-                # "local": a new instance, not one `ray.init()` would find on this machine (a
-                # `ray start` cluster is used only when asked for: address= or RAY_ADDRESS)
-                ray.init(address="local", logging_level="WARNING", log_to_driver=False, include_dashboard=False)
-        except Exception as exc:
-            where = f"the Ray cluster at address={address!r}" if address else "a local Ray instance"
-            raise LoaderError(f"Could not connect to {where}: {type(exc).__name__}: {exc}. Start it "
-                              "(`ray start --head` on the trainer host) or pass RayWorkers(address=...).") from exc
-        _STARTED["by_kpipe"] = not address
-        _STARTED["count"] = 1 if not address else 0
-        return _STARTED["by_kpipe"]
-
-
-def _check_reachable(address, timeout):
-    """A `LoaderError` within `timeout` (10 s at most) where nothing answers at the
-    address's host and port (Ray's GCS port, 6379 when none is given)."""
-    if address in ("auto", "local"):
-        return  # (Ray finds the local cluster itself, or says at once that there is none)
-    where = address.split("://", 1)[-1].rstrip("/")
-    host, _, port = where.rpartition(":")
-    if not host or not port.isdigit():
-        host, port = where, "6379"
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout or 10.0, 10.0)).close()
-    except OSError as exc:
-        raise LoaderError(
-            f"Could not connect to the Ray cluster at address={address!r}: nothing answers at {host}:{port} "
-            f"({type(exc).__name__}: {exc}). Start it (`ray start --head` on that host), or check the address "
-            "(`ray status` on the head node prints it)."
-        ) from None
-
-
-def disconnect(started):
-    if not started:
-        return
-    ray = _ray()
-    with _CONNECT_LOCK:
-        _STARTED["count"] -= 1
-        if _STARTED["count"] <= 0 and _STARTED["by_kpipe"] and ray.is_initialized():
-            ray.shutdown()
-            _STARTED["by_kpipe"] = False
-
-
 class _Actor:
-    __slots__ = ("id", "handle", "pid", "node", "pools", "pending", "last_task", "starting", "retiring")
+    __slots__ = ("id", "handle", "pid", "node", "pools", "pending", "outbox", "calls", "last_task", "starting", "retiring")
 
     def __init__(self, wid, handle):
         self.id, self.handle = wid, handle
         self.pid = self.node = self.pools = None
-        self.pending = []  # seqs, in the order sent
+        self.pending = []  # seqs, in the order submitted (sent or in `outbox`), until gotten
+        self.outbox = []  # seqs submitted but not sent yet: they go in the next call
+        self.calls = []  # refs of calls sent and not fetched yet (the actor works on them)
         self.last_task = -1
         self.starting = None  # (ready ref, since): added while running, not placed and ready yet
         self.retiring = False  # takes no new task; stopped once its pending ones are answered
@@ -226,7 +136,10 @@ class RayBackend(Backend):
                                                    max_restarts=0, max_task_retries=0,
                                                    runtime_env={"env_vars": dict(_procs.WORKER_ENV)})
         self._actors = []
-        self._tasks = {}  # seq -> [key, seed, actor, ref, state]: `state`, the payload's ref it was submitted under
+        self._tasks = {}  # seq -> [key, seed, actor, ref, state, j]: the batch is item j of call `ref` (None: not
+        # sent yet); `state`, the payload's ref it was submitted under
+        self._done = {}  # seq -> outcome (`_finish`) of a batch whose call was fetched, until it is gotten
+        self._last_bytes = None  # bytes of the last batch gotten (batches share calls only when small)
         self._seq = itertools.count()
         self._finalizer = weakref.finalize(self, _kill_all, self._actors, self._started)
         self.timings = [0, 0.0, 0.0, 0.0]  # batches done; their wall, CPU and run-queue seconds
@@ -333,6 +246,7 @@ class RayBackend(Backend):
             return None
         actor = max(live, key=lambda a: a.id)
         actor.retiring = True
+        self._send(actor)  # what it was given is still loaded
         if not actor.pending:
             self._stop(actor)
         return actor.id
@@ -394,22 +308,25 @@ class RayBackend(Backend):
             ray.kill(actor.handle, no_restart=True)
         except Exception:  # noqa: BLE001 -- already gone
             pass
-        states = [self._tasks[seq][4] for seq in actor.pending]
-        state = states[0] if states else self._payload_ref
+        again = [seq for seq in actor.pending if seq not in self._done]  # (fetched ones are in hand)
+        state = self._tasks[again[0]][4] if again else self._payload_ref
         new = self._start(actor.id, state)
         new.retiring = actor.retiring
         self._wait_ready([new])
         self._actors[self._actors.index(actor)] = new
         self._forget_slots(actor.pid)
         for seq in actor.pending:
+            self._tasks[seq][2] = new
+        new.pending, actor.pending, actor.outbox, actor.calls = actor.pending, [], [], []
+        for seq in again:  # in calls of batches submitted under the same state, in order
             task = self._tasks[seq]
-            if task[4] is not state:
-                state = task[4]
-                new.handle.set_target.remote(state)
-            task[2] = new
-            task[3] = self._load(new, task[0], task[1])
-            new.pending.append(seq)
-        actor.pending = []
+            if task[4] is not state or len(new.outbox) >= self.batches_per_call():
+                self._send(new)
+                if task[4] is not state:
+                    state = task[4]
+                    new.handle.set_target.remote(state)
+            new.outbox.append(seq)
+        self._send(new)
         if state is not self._payload_ref:
             new.handle.set_target.remote(self._payload_ref)
 
@@ -422,20 +339,51 @@ class RayBackend(Backend):
         actor = min(ready, key=lambda a: (len(a.pending), a.last_task))
         actor.last_task = seq
         actor.pending.append(seq)
-        self._tasks[seq] = [key, seed, actor, self._load(actor, key, seed), self._payload_ref]
+        actor.outbox.append(seq)
+        self._tasks[seq] = [key, seed, actor, None, self._payload_ref, 0]
+        if not actor.calls or len(actor.outbox) >= self.batches_per_call():  # (an idle actor gets it at once)
+            self._send(actor)
         return seq
 
+    def batches_per_call(self):
+        """Batches an actor call carries now (see the NOTE): one, unless batches are small
+        (under `_SMALL_BATCH_BYTES`) and quick (under `_CALL_COST_S` of work each, measured
+        over at least 8), when enough share a call to make Ray's cost per call small beside
+        their work -- at most `_MAX_PER_CALL`. The window keeps twice that in flight per
+        actor (`Window.limit`), so that one call is loaded while the next one fills."""
+        done, busy, runq = self.timings[0], self.timings[1], self.timings[3]
+        if done < 8 or self._last_bytes is None or self._last_bytes > _SMALL_BATCH_BYTES:
+            return 1
+        # A batch's own time: its wall time but for the time it waited for a CPU (actors
+        # sharing CPUs stretch each batch without making it more work); waits count.
+        own = (busy - runq) / done
+        return max(1, min(MAX_PER_CALL, int(_CALL_COST_S / max(own, 1e-6))))
+
+    def _send(self, actor):
+        """Sends `actor` the batches of its outbox, in one call."""
+        seqs, actor.outbox = actor.outbox, []
+        if not seqs:
+            return
+        ref = self._load(actor, [(self._tasks[seq][0], self._tasks[seq][1]) for seq in seqs])
+        for j, seq in enumerate(seqs):
+            self._tasks[seq][3], self._tasks[seq][5] = ref, j
+        actor.calls.append(ref)
+
+    def _send_all(self):
+        for actor in self._actors:
+            self._send(actor)
+
     # ------------------------------------------------------- slots on this node
-    def _load(self, actor, key, seed):
-        """`actor.load.remote(...)`, telling it the slots the consumer let go of, and
-        whether the batch may stay on this node in a slot."""
+    def _load(self, actor, items):
+        """`actor.load_many.remote(items, ...)`, telling it the slots the consumer let go
+        of, and whether the batches may stay on this node in slots."""
         released = self._released
         while released:
             pid, slot = released.popleft()
             self._free.setdefault(pid, []).append(slot)
         self._reap_orphans()
         local = self.slots_reachable and actor.node == self._node
-        return actor.handle.load.remote(key, seed, self._free.pop(actor.pid, ()), local)
+        return actor.handle.load_many.remote(items, self._free.pop(actor.pid, ()), local)
 
     def _slot_views(self, slot, actor):
         """The arrays of a batch left in `actor`'s slot: views of this process's mapping
@@ -471,28 +419,40 @@ class RayBackend(Backend):
             self._segments.pop(key).close()
 
     def _reap_orphans(self):
-        """Releases the slots of discarded tasks that ended (their batches are unused)."""
+        """Releases the slots of discarded batches whose calls ended (they are unused)."""
         if not self._orphans:
             return
         ray = _ray()
-        done, self._orphans = ray.wait(self._orphans, num_returns=len(self._orphans), timeout=0)
-        for ref in done:
-            try:
-                slot = ray.get(ref)[4]
-            except Exception:  # noqa: BLE001 -- it failed: no slot was kept
+        refs = list({id(ref): ref for ref, _ in self._orphans}.values())
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = {id(ref) for ref in done}
+        orphans, self._orphans = self._orphans, []
+        for ref, j in orphans:
+            if id(ref) not in done:
+                self._orphans.append((ref, j))
                 continue
-            if slot is not None:
-                self._released.append((slot[2], slot[0]))
+            try:
+                kind, value = ray.get(ref)[0][j]
+            except Exception:  # noqa: BLE001 -- the call failed: no slot was kept
+                continue
+            if kind == "ok" and value[3] is not None:
+                self._released.append((value[3][2], value[3][0]))
 
     def get(self, seq, on_starved=None):
         ray = _ray()
         self._check_open()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while True:
-            key, _, actor, ref, _ = self._tasks[seq]
+        while seq not in self._done:
+            key, _, actor, ref, _, _ = self._tasks[seq]
+            if ref is None:
+                self._send(actor)
+                ref = self._tasks[seq][3]
+            for other in self._actors:  # an actor with nothing to do takes what waits for it
+                if other.outbox and not other.calls:
+                    self._send(other)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                treedef, leaves, (busy, cpu), pools, slot = ray.get(ref, timeout=remaining)
+                outcomes, pools = ray.get(ref, timeout=remaining)
             except ray.exceptions.GetTimeoutError:
                 self._fail(BatchTimeoutError(
                     f"Batch {key} of `{self.name}` did not arrive within timeout={self.timeout} s from Ray actor "
@@ -501,30 +461,55 @@ class RayBackend(Backend):
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
                 self._replace(actor, f"{type(exc).__name__} while loading batch {key}")
                 continue
-            except ray.exceptions.RayTaskError as exc:
-                self._forget(seq)
-                cause = exc.as_instanceof_cause()
-                error = cause if isinstance(cause, Exception) else LoaderError(str(exc))
-                _add_note(error, f"[kpipe] raised in Ray actor {actor.id} (pid {actor.pid}) while loading batch {key} "
-                                 f"of `{self.name}`.")
-                error.kpipe_batch_index = key
-                raise error from None
-            if slot is None:
-                meta = [(a.dtype.str, a.shape) for a in leaves]
-                break
-            views = self._slot_views(slot, actor)  # (before _forget, which may stop a retiring actor)
-            if views is not None:
-                leaves, meta = views
-                break
-            self._released.append((slot[2], slot[0]))  # not reachable here: load it again through the object store
-            self._tasks[seq][3] = self._load(actor, key, self._tasks[seq][1])
+            except ray.exceptions.RayTaskError as exc:  # (the actor catches a batch's exceptions; this is Ray's)
+                self._fail(LoaderError(f"Ray actor {actor.id} (pid {actor.pid}) of `{self.name}` failed while "
+                                       f"loading batch {key}: {exc}"))
+            self._fetched(actor, ref, outcomes, pools)
+        kind, value = self._done.pop(seq)
+        key, _, actor, _, _, _ = self._tasks[seq]
+        if kind == "error":
+            self._forget(seq)
+            error = rebuild_exception(value, f"in Ray actor {actor.id} (pid {actor.pid}) while loading batch {key} "
+                                             f"of `{self.name}`")
+            error.kpipe_batch_index = key
+            raise error
+        if kind == "reload":  # its slot cannot be opened here: loaded again through the object store
+            self._tasks[seq][3] = None
+            actor.outbox.append(seq)
+            return self.get(seq, on_starved)
+        treedef, leaves, meta, (busy, cpu, runq) = value
         self._forget(seq)
         self._failures = 0
+        self._last_bytes = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for dtype, shape in meta)
+        t = self.timings
+        t[0], t[1], t[2], t[3] = t[0] + 1, t[1] + busy, t[2] + cpu, t[3] + runq
+        return _tree.unflatten(treedef, leaves), treedef, meta
+
+    def _fetched(self, actor, ref, outcomes, pools):
+        """Call `ref` of `actor` answered: each of its batches still wanted gets its outcome."""
+        actor.calls = [r for r in actor.calls if r is not ref]
         if pools is not None:
             actor.pools = pools
-        t = self.timings
-        t[0], t[1], t[2] = t[0] + 1, t[1] + busy, t[2] + cpu
-        return _tree.unflatten(treedef, leaves), treedef, meta
+        for seq in actor.pending:
+            task = self._tasks.get(seq)
+            if task is not None and task[3] is ref:
+                self._done[seq] = self._finish(actor, outcomes[task[5]])
+
+    def _finish(self, actor, outcome):
+        """A batch's outcome as `get` returns it: `("ok", (treedef, leaves, meta, timings))`
+        (arrays in a slot viewed here at once, so that they outlive the actor), `("error",
+        packed exception)`, or `("reload", None)` where its slot cannot be opened here."""
+        kind, value = outcome
+        if kind != "ok":
+            return outcome
+        treedef, leaves, timings, slot = value
+        if slot is None:
+            return "ok", (treedef, leaves, [(a.dtype.str, a.shape) for a in leaves], timings)
+        views = self._slot_views(slot, actor)
+        if views is None:
+            self._released.append((slot[2], slot[0]))
+            return "reload", None
+        return "ok", (treedef, views[0], views[1], timings)
 
     def _forget(self, seq):
         task = self._tasks.pop(seq)
@@ -537,15 +522,25 @@ class RayBackend(Backend):
             self._stop(actor)
 
     def discard(self, seq):
-        if seq in self._tasks:
-            self._orphans.append(self._tasks[seq][3])  # (a slot it fills is released when it ends)
-            self._forget(seq)
+        task = self._tasks.get(seq)
+        if task is None:
+            return
+        actor, ref = task[2], task[3]
+        if self._done.pop(seq, None) is None:  # (a batch fetched: its views go, and its slot with them)
+            if ref is None:
+                actor.outbox.remove(seq)
+            else:
+                self._orphans.append((ref, task[5]))  # (a slot it fills is released when its call ends)
+        self._forget(seq)
+        if ref is not None and not any(self._tasks[s][3] is ref for s in actor.pending):
+            actor.calls = [r for r in actor.calls if r is not ref]  # nothing waits for that call now
 
     def reset_target(self, target, dumped=None):
         """Sends every actor the new state and waits until each took it (behind its tasks)."""
         ray = _ray()
         self._check_open()
         payload = dumped[0] if dumped is not None else self.dump(target)[0]
+        self._send_all()  # batches submitted before load under the state they were submitted under
         self._payload, self._payload_ref = payload, ray.put(payload)
         refs = [a.handle.set_target.remote(self._payload_ref) for a in self._actors]
         try:
@@ -567,6 +562,7 @@ class RayBackend(Backend):
         self._check_open()
         if keys:
             raise ValueError(f"Ray actors hold no shared arrays: send_state takes keys=[]; received {sorted(keys)}")
+        self._send_all()  # batches submitted before load under the state they were submitted under
         self._payload, self._payload_ref = payload, _ray().put(payload)
         for actor in self._actors:
             actor.handle.set_target.remote(self._payload_ref)
@@ -592,6 +588,7 @@ class RayBackend(Backend):
     def close(self, force=False):
         self.closed = True
         self._tasks.clear()
+        self._done.clear()
         self._orphans.clear()
         self._finalizer()
         self._segments_finalizer()  # (arrays still viewing slots keep their mappings)
@@ -620,8 +617,3 @@ def _kill_all(actors, started):
 
 def _describe(resources):
     return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:")) or "nothing"
-
-
-def _add_note(exc, note):
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)

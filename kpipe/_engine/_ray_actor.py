@@ -20,14 +20,17 @@ class Loader:
         for path in reversed(sys_path):  # the driver's import paths that exist on this node
             if path not in sys.path and os.path.isdir(path):
                 sys.path.insert(0, path)
+        from kpipe._engine._worker import _RunQueueClock
+
+        self.runq = _RunQueueClock()  # seconds spent waiting for a CPU (actors may share CPUs)
         self.pools = _threads.PoolLimiter()
         if threads is not None:
             self.pools.set_env(threads)
         self.target, self.error = _pickling.loads(payload, {}), None
-        self.arena = None  # kpipe.empty's buffer for batches that go through the object store
+        self.arenas = []  # kpipe.empty's buffers for batches that go through the object store, one per batch of a call
         self.slots, self.free = [], []  # batches for a consumer on this node: shared-memory slots, free ones
         self.pinned = set()  # slots the dataset kept memory of
-        self.arena_alloc = None  # the arena's allocator of the last task, checked at the next one
+        self.arena_allocs = {}  # arena index -> its allocator in the last call, checked at the next one
         if threads is not None:
             self.pools.apply(threads)
         info = _wi.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, pid=os.getpid())
@@ -48,26 +51,43 @@ class Loader:
             raise
         return True
 
-    def load(self, key, seed, released=(), local=False):
-        """Loads batch `key`. `released`: slots the consumer let go of since the last call.
-        `local`: the consumer is on this node -- the batch goes into a shared-memory slot
-        and only its place travels: `(treedef, None, timings, pools, (slot, fd, pid,
-        layout))`; else the arrays go through the object store: `(treedef, leaves,
-        timings, pools, None)`."""
-        from kpipe._engine import _alloc, _shm
+    def load_many(self, items, released=(), local=False):
+        """Loads the batches `items` (`[(key, seed), ...]`, in order) and returns
+        `(outcomes, pools)`: per item `("ok", (treedef, leaves, timings, slot))` or
+        `("error", packed exception)` -- one batch's exception does not stop the others;
+        `timings` = (wall, CPU, run-queue) seconds.
+        `released`: slots the consumer let go of since the last call. `local`: the consumer
+        is on this node -- each batch goes into a shared-memory slot and only its place
+        travels (`leaves` None, `slot` = (slot, fd, pid, layout)); else the arrays go
+        through the object store (`slot` None). `pools`: what the thread budget set, when
+        the dataset imported a library with a pool of its own (else None)."""
+        from kpipe._engine._worker import pack_exception
 
         for slot in released:
             if slot in self.pinned:  # never reused: closed here (the dataset's arrays keep its pages)
                 self.slots[slot].close()
             else:
                 self.free.append(slot)
-        if self.arena_alloc is not None and self.arena_alloc.kept():  # the last batch Ray took is gone by now
-            self.arena = None  # the dataset kept memory of the arena: a new one (NOTE in _alloc.py)
-        self.arena_alloc = None
+        for j, alloc in self.arena_allocs.items():  # the batches Ray took last call are gone by now
+            if alloc.kept():
+                self.arenas[j] = None  # the dataset kept memory of this arena: a new one (NOTE in _alloc.py)
+        self.arena_allocs = {}
+        outcomes = []
+        for j, (key, seed) in enumerate(items):
+            try:
+                outcomes.append(("ok", self._load(j, key, seed, local)))
+            except Exception as exc:  # SystemExit/KeyboardInterrupt end the actor
+                outcomes.append(("error", pack_exception(exc)))
+        return outcomes, self.pools.refresh()  # (the dataset may have imported a library with a pool)
+
+    def _load(self, j, key, seed, local):
+        """Loads batch `key`, the `j`-th of this call (see `load_many`)."""
+        from kpipe._engine import _alloc, _shm
+
         if self.error is not None:
             raise LoaderError(f"This Ray actor could not take the dataset's new state: {type(self.error).__name__}: "
                               f"{self.error}") from self.error
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0, cpu0, q0 = time.perf_counter(), time.process_time(), self.runq()
         if seed is not None:  # this batch's randomness: see worker_info.batch_seed
             random.seed(seed)
             _seed_numpy(seed)
@@ -78,9 +98,13 @@ class Loader:
             slot = self.free.pop()
             segment = self.slots[slot]
         else:
-            if self.arena is None:
-                self.arena = _shm.Segment.create(0, name="kpipe-ray-arena")
-            segment = self.arena  # reused from task to task: Ray copies the result before the next one
+            while len(self.arenas) <= j:
+                self.arenas.append(None)
+            if self.arenas[j] is None:
+                self.arenas[j] = _shm.Segment.create(0, name="kpipe-ray-arena")
+            # one per batch of a call, reused from call to call: Ray copies the results when
+            # the call returns, before the next call
+            segment = self.arenas[j]
         alloc = _alloc.begin(segment)  # kpipe.empty and big np.stack results: views of `segment`
         try:
             with _alloc.stacking_into():
@@ -92,15 +116,14 @@ class Loader:
         finally:
             _alloc.end()
         treedef, leaves, _ = _tree.flatten(out)
-        pools = self.pools.refresh()  # the dataset imported a library with a pool of its own
         if not local:
-            self.arena_alloc = alloc
-            return treedef, leaves, (time.perf_counter() - t0, time.process_time() - cpu0), pools, None
+            self.arena_allocs[j] = alloc
+            return treedef, leaves, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0), None
         layout = alloc.place(leaves)
         del out, leaves
         if alloc.kept():  # the dataset kept memory of this slot: it is never reused (NOTE in _alloc.py)
             self.pinned.add(slot)
-        return (treedef, None, (time.perf_counter() - t0, time.process_time() - cpu0), pools,
+        return (treedef, None, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0),
                 (slot, segment.fd, os.getpid(), layout))
 
 

@@ -88,8 +88,11 @@ class Window:
 
     # ------------------------------------------------------------------ contents
     def limit(self):
-        """Batches to keep in flight now: the depth, within max_queue_bytes if set."""
+        """Batches to keep in flight now: the depth (in worker calls: `batches_per_call`),
+        within max_queue_size, and within max_queue_bytes if set."""
         limit = self.depth
+        if self.backend is not None:  # batches that share a worker call count as one towards the depth
+            limit = min(self.max_queue_size, limit * self.backend.batches_per_call())
         last = self.stats["last_batch_bytes"]
         if self.max_queue_bytes is not None:  # until a batch size is known: one per worker
             limit = max(1, self.workers, min(limit, self.max_queue_bytes // last if last else 0))
