@@ -347,10 +347,11 @@ class RayBackend(Backend):
 
     def batches_per_call(self):
         """Batches an actor call carries now (see the NOTE): one, unless batches are small
-        (under `_SMALL_BATCH_BYTES`) and quick (under `_CALL_COST_S` of work each, measured
-        over at least 8), when enough share a call to make Ray's cost per call small beside
-        their work -- at most `_MAX_PER_CALL`. The window keeps twice that in flight per
-        actor (`Window.limit`), so that one call is loaded while the next one fills."""
+        (under `_SMALL_BATCH_BYTES`) and quick (under `_CALL_COST_S` each, measured over at
+        least 8, without the time they waited for a CPU), when enough share a call to make
+        Ray's cost per call small beside their work -- at most `MAX_PER_CALL`. The window
+        keeps twice that in flight per actor (`Window.limit`), so that one call is loaded
+        while the next one fills."""
         done, busy, runq = self.timings[0], self.timings[1], self.timings[3]
         if done < 8 or self._last_bytes is None or self._last_bytes > _SMALL_BATCH_BYTES:
             return 1
