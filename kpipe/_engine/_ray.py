@@ -81,8 +81,6 @@ import sys
 import time
 import weakref
 
-import numpy as np
-
 from kpipe._engine import _pickling, _procs, _ray_actor, _shm, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._backend import Backend
@@ -102,14 +100,13 @@ logger = logging.getLogger("kpipe")
 
 
 class _Actor:
-    __slots__ = ("id", "handle", "pid", "node", "pools", "pending", "outbox", "calls", "last_task", "starting", "retiring")
+    __slots__ = ("id", "handle", "pid", "node", "pools", "pending", "outbox", "last_task", "starting", "retiring")
 
     def __init__(self, wid, handle):
         self.id, self.handle = wid, handle
         self.pid = self.node = self.pools = None
         self.pending = []  # seqs, in the order submitted (sent or in `outbox`), until gotten
         self.outbox = []  # seqs submitted but not sent yet: they go in the next call
-        self.calls = []  # refs of calls sent and not fetched yet (the actor works on them)
         self.last_task = -1
         self.starting = None  # (ready ref, since): added while running, not placed and ready yet
         self.retiring = False  # takes no new task; stopped once its pending ones are answered
@@ -317,7 +314,7 @@ class RayBackend(Backend):
         self._forget_slots(actor.pid)
         for seq in actor.pending:
             self._tasks[seq][2] = new
-        new.pending, actor.pending, actor.outbox, actor.calls = actor.pending, [], [], []
+        new.pending, actor.pending, actor.outbox = actor.pending, [], []
         for seq in again:  # in calls of batches submitted under the same state, in order
             task = self._tasks[seq]
             if task[4] is not state or len(new.outbox) >= self.batches_per_call():
@@ -341,7 +338,7 @@ class RayBackend(Backend):
         actor.pending.append(seq)
         actor.outbox.append(seq)
         self._tasks[seq] = [key, seed, actor, None, self._payload_ref, 0]
-        if not actor.calls or len(actor.outbox) >= self.batches_per_call():  # (an idle actor gets it at once)
+        if not self._busy(actor) or len(actor.outbox) >= self.batches_per_call():  # (an idle actor gets it at once)
             self._send(actor)
         return seq
 
@@ -368,7 +365,10 @@ class RayBackend(Backend):
         ref = self._load(actor, [(self._tasks[seq][0], self._tasks[seq][1]) for seq in seqs])
         for j, seq in enumerate(seqs):
             self._tasks[seq][3], self._tasks[seq][5] = ref, j
-        actor.calls.append(ref)
+
+    def _busy(self, actor):
+        """Whether `actor` has a call sent and not fetched yet that a batch still waits for."""
+        return any(self._tasks[seq][3] is not None and seq not in self._done for seq in actor.pending)
 
     def _send_all(self):
         for actor in self._actors:
@@ -449,7 +449,7 @@ class RayBackend(Backend):
                 self._send(actor)
                 ref = self._tasks[seq][3]
             for other in self._actors:  # an actor with nothing to do takes what waits for it
-                if other.outbox and not other.calls:
+                if other.outbox and not self._busy(other):
                     self._send(other)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -481,14 +481,13 @@ class RayBackend(Backend):
         treedef, leaves, meta, (busy, cpu, runq) = value
         self._forget(seq)
         self._failures = 0
-        self._last_bytes = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for dtype, shape in meta)
+        self._last_bytes = sum(leaf.nbytes for leaf in leaves)
         t = self.timings
         t[0], t[1], t[2], t[3] = t[0] + 1, t[1] + busy, t[2] + cpu, t[3] + runq
         return _tree.unflatten(treedef, leaves), treedef, meta
 
     def _fetched(self, actor, ref, outcomes, pools):
         """Call `ref` of `actor` answered: each of its batches still wanted gets its outcome."""
-        actor.calls = [r for r in actor.calls if r is not ref]
         if pools is not None:
             actor.pools = pools
         for seq in actor.pending:
@@ -533,8 +532,6 @@ class RayBackend(Backend):
             else:
                 self._orphans.append((ref, task[5]))  # (a slot it fills is released when its call ends)
         self._forget(seq)
-        if ref is not None and not any(self._tasks[s][3] is ref for s in actor.pending):
-            actor.calls = [r for r in actor.calls if r is not ref]  # nothing waits for that call now
 
     def reset_target(self, target, dumped=None):
         """Sends every actor the new state and waits until each took it (behind its tasks)."""
