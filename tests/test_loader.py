@@ -553,3 +553,39 @@ def test_workers_run_with_glibc_keeping_freed_buffers_for_reuse(start_method, no
     with kpipe.ProcessLoader(MallocEnv(), workers=1, start_method=start_method) as loader:
         flags = loader[0]
     assert flags.tolist() == [True, True, True]  # mmap threshold, trim threshold, and no mmap for big buffers
+
+
+_COLLECTOR_UNDER_THE_LOCK = """
+import gc
+from kpipe._engine._shm import SlotPool
+
+pool = SlotPool(keep_idle=4)
+slot, _ = pool.acquire()
+
+class Collecting(list):  # the collector runs while the pool's lock is held, as any allocation there may make it
+    def __iter__(self):
+        gc.collect()
+        return super().__iter__()
+
+pool._free = Collecting(pool._free)
+gc.disable()
+
+class Holder:
+    pass
+
+h = Holder()
+h.me, h.lease = h, pool.lease(slot)  # a batch's lease in a cycle: only the collector frees it
+del h
+print(sorted(pool.free_ids()), pool.lease_releases)
+"""
+
+
+def test_a_lease_the_collector_releases_inside_the_slot_pool_does_not_deadlock_it():
+    # Seen once in a fresh-clone run: a collection inside `free_ids()` freed an exception's
+    # frames holding a batch, whose lease took the pool's (then non-re-entrant) lock again.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _COLLECTOR_UNDER_THE_LOCK], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[0]", "1"]  # released inside the call, and counted once

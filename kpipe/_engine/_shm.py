@@ -467,7 +467,7 @@ class SlotPool:
     """
 
     def __init__(self, keep_idle, name="kpipe-slot"):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (re-entrant: see `lease`)
         self._free = []
         self.segments = {}
         self.retired = []  # slot ids closed here; workers are told to unmap them
@@ -549,6 +549,9 @@ class SlotPool:
             return out
 
     def lease(self, slot):
+        # The release may run inside this pool's own methods: an allocation under the lock
+        # can run the garbage collector, which frees a cycle holding an array of a batch --
+        # hence the re-entrant lock (each method's state is whole between its statements).
         return Lease(lambda: self._release_lease(slot))
 
     def _release_lease(self, slot):
