@@ -84,6 +84,35 @@ def test_samples_land_in_the_batch_slot_without_a_copy():
         segment.close()
 
 
+class _Watched:
+    """Per-sample images that note, at each `__getitem__`, which earlier samples' arrays
+    are still alive (a weak reference each)."""
+
+    def __init__(self, n):
+        import weakref
+
+        self.n, self.alive_at_load, self._refs, self._weakref = n, [], [], weakref.ref
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, j):
+        self.alive_at_load.append([k for k, ref in self._refs if ref() is not None])
+        image = np.full((8, 8, 3), j, np.float32)
+        self._refs.append((j, self._weakref(image)))
+        return image, np.int64(j)
+
+
+def test_each_sample_is_released_before_the_next_is_loaded():
+    # A sample held while the next is made keeps its memory from being reused for it:
+    # with large samples (600 KB images) the allocator then cycles through one more
+    # buffer per sample, out of the core's cache -- measured 10 us per sample more.
+    ds = _Watched(9)
+    batch = _samples.SampleBatches(ds, 4, shuffle=True, seed=3, drop_remainder=False)[(0, 1)]
+    assert ds.alive_at_load == [[], [], [], []]
+    assert sorted(batch[1].tolist()) == sorted(batch[0][:, 0, 0, 0].astype(int).tolist())
+
+
 def test_dict_samples_and_scalar_labels(no_leaks):
     with kpipe.ProcessLoader.from_samples(Points(n=6, dict_samples=True), 4, workers=2) as loader:
         batch = loader[1]
