@@ -14,6 +14,8 @@ Workloads (issue #2):
            `on_epoch_end`: a loader may then load the next pass ahead, where b's hook
            makes it wait at each pass end (as Keras does) for the last batch to be taken
            and the new state to reach the workers -- b against b-fixed is that cost
+  b-stack-fixed (not in the default set) b-stack in the order of its first epoch every
+           epoch, with no `on_epoch_end`: the np.stack hand-off without the pass-end barrier
   c        5 ms of waiting (I/O) per sample, batch 32
   b-stack  workload b as users write it (issue #33): each sample read and scaled, the
            batch made with `np.stack` (a new 77 MB array per batch); its ceiling is the
@@ -70,7 +72,13 @@ prints how many passes loaded ahead were kept), and "ceiling-passes" is the ceil
 bare processes with the barrier Keras's semantics put at every pass end: each runs whole
 passes and, once all have finished one, runs the hook on its own copy and goes on. The
 ceiling against ceiling-passes is what that barrier alone costs (no hand-off, a free
-hook); a loader that waits at pass ends stays below ceiling-passes.
+hook); a loader that waits at pass ends stays below ceiling-passes. With `--ceiling-slots
+N`, each b workload also gets "ceiling-N-slots": the ceiling's processes writing their
+batches into N shared-memory slots in turn, as kpipe's workers do (2 per worker in
+flight and one the consumer holds: 5 at workers=2), instead of reusing one buffer --
+what handing batches over in several buffers costs the workers by itself. On the 2-core
+VM this was written on (480 MB of L3 cache, which one reused 77 MB buffer and its
+samples stay in) that is 0.89-0.93x the ceiling for b-stack.
 Throughput is measured over whole epochs after `--warmup-epochs` (default 1) untimed
 ones, so per-epoch costs (Keras re-forking its pool, say) count and one-time ones are
 reported on their own, as the ceiling's are left out (its workers do one batch before
@@ -320,6 +328,15 @@ class H5SamplesFixed(H5Contiguous):
 
     __getitem__ = H5Samples.__getitem__
     grain_plan = H5Samples.grain_plan  # (Grain has no pass-end hook either way)
+    epoch = 0
+
+
+class H5SamplesStackFixed(H5Contiguous):
+    """(b-stack-fixed) H5SamplesStack's np.stack code in the order of its first epoch, every
+    epoch, with no `on_epoch_end`: the np.stack hand-off without the pass-end barrier."""
+
+    __getitem__ = H5SamplesStack.__getitem__
+    grain_plan = H5Samples.grain_plan
     epoch = 0
 
 
@@ -832,12 +849,18 @@ with open(sys.argv[1], "rb") as f:
     ds = cloudpickle.load(f)
 w, n_workers, epochs, min_seconds = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 pass_ends = sys.argv[6] == "1"
-# The same buffers a kpipe worker has: `kpipe.empty` returns memory of a reused slot.
-slot = Segment.create(0)
+# The same buffers a kpipe worker has: `kpipe.empty` returns memory of a reused slot --
+# or, with more than one slot, of each slot in turn, where big np.stack results go too.
+slots = [Segment.create(0) for _ in range(int(sys.argv[7]))]
+turn = [0]
 def load(i):
-    _alloc.begin(slot)
+    turn[0] += 1
+    _alloc.begin(slots[turn[0] % len(slots)])
     try:
-        return ds[i]
+        if len(slots) == 1:
+            return ds[i]
+        with _alloc.stacking_into():
+            return ds[i]
     finally:
         _alloc.end()
 load(w % len(ds))  # warm-up (lazy file opening, the slot's pages), not timed
@@ -863,12 +886,14 @@ print(samples, t0, time.time(), time.process_time() - c0, flush=True)
 """
 
 
-def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False):
+def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False, slots=1):
     """`workers` bare processes doing the same batches, returning nothing, for at least
     `epochs` epochs and `min_seconds` seconds. With `pass_ends`, they run whole passes
     and, at each pass end, wait until all have finished it and then each run the
     dataset's `on_epoch_end` on its own copy: the barrier a hook of Keras's semantics
-    puts at every pass end (the next pass may depend on it), at no cost of its own.
+    puts at every pass end (the next pass may depend on it), at no cost of its own. With
+    `slots` > 1, each writes its batches (`kpipe.empty` arrays and big `np.stack` results,
+    as kpipe's workers do) into that many shared-memory slots in turn instead of one.
     Returns `(samples/s, cpu_shares(...))` (the workers' CPU over their timed work)."""
     import cloudpickle
 
@@ -892,7 +917,7 @@ def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False):
     # The environment of kpipe's workers too (glibc keeps freed buffers for reuse).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **_WORKER_ENV)
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, path, str(w), str(workers), str(epochs), str(min_seconds), str(int(pass_ends))],
+        subprocess.Popen([sys.executable, "-c", code, path, str(w), str(workers), str(epochs), str(min_seconds), str(int(pass_ends)), str(slots)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         for w in range(workers)
     ]
@@ -934,7 +959,7 @@ def warm_memory(mb):
 
 
 # ------------------------------------------------------------------------------- driver
-def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup=0, warm_mb=0, min_seconds=0):
+def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup=0, warm_mb=0, min_seconds=0, ceiling_slots=0):
     """Runs every loader (and the ceiling) `repeats` times, in rounds, so that drift in
     the machine's speed spreads over all of them; keeps each one's best throughput (noise
     only ever slows a run down), the median time to first batch and the highest RSS.
@@ -944,7 +969,7 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
     (`x_ceiling` divides the best by the best); and `cpu`, the CPU shares (`CpuWindow`)
     of its best run, where measured (kpipe and the ceilings). With `workers="auto"`
     (kpipe alone) there is no ceiling: the rows' ceiling multiples are None."""
-    ceilings, barrier_ceilings = [], []
+    ceilings, barrier_ceilings, slot_ceilings = [], [], []
     with_ceiling = workers != "auto"
     has_hook = _has_epoch_hook(make())
     loaders = [k for k in loaders if k != "kpipe-ahead" or has_hook]  # the option is for epoch hooks
@@ -981,6 +1006,11 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
             with PeakRSS():
                 barrier_ceilings.append(run_ceiling(make, epochs, workers, min_seconds, pass_ends=True))
             print(f"  {workload}: {'ceiling-passes':<14} {barrier_ceilings[-1][0]:10.1f} samples/s{_cpu_text(barrier_ceilings[-1][1])}", flush=True)
+        if ceiling_slots > 1:
+            warm_memory(warm_mb)
+            with PeakRSS():
+                slot_ceilings.append(run_ceiling(make, epochs, workers, min_seconds, slots=ceiling_slots))
+            print(f"  {workload}: {'ceiling-slots':<14} {slot_ceilings[-1][0]:10.1f} samples/s{_cpu_text(slot_ceilings[-1][1])}", flush=True)
     ceiling_runs = [c[0] for c in ceilings]
     ceiling = max(ceiling_runs) if ceiling_runs else None
     rows = []
@@ -1015,13 +1045,14 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
         return rows
     rows.append({"workload": workload, "loader": "ceiling", "workers": workers, "samples_per_s": ceiling, "samples_per_s_runs": ceiling_runs,
                  "x_serial": ceiling / serial if serial else None, "x_ceiling": 1.0, "cpu": max(ceilings, key=lambda c: c[0])[1]})
-    if barrier_ceilings:
-        barrier_runs = [c[0] for c in barrier_ceilings]
-        rate = max(barrier_runs)
-        paired = [b / c for b, c in zip(barrier_runs, ceiling_runs)]
-        rows.append({"workload": workload, "loader": "ceiling-passes", "workers": workers, "samples_per_s": rate, "samples_per_s_runs": barrier_runs,
-                     "x_serial": rate / serial if serial else None, "x_ceiling": rate / ceiling, "x_ceiling_rounds": paired,
-                     "x_ceiling_paired": statistics.median(paired), "cpu": max(barrier_ceilings, key=lambda c: c[0])[1]})
+    for name, extra in (("ceiling-passes", barrier_ceilings), (f"ceiling-{ceiling_slots}-slots", slot_ceilings)):
+        if extra:
+            extra_runs = [c[0] for c in extra]
+            rate = max(extra_runs)
+            paired = [b / c for b, c in zip(extra_runs, ceiling_runs)]
+            rows.append({"workload": workload, "loader": name, "workers": workers, "samples_per_s": rate, "samples_per_s_runs": extra_runs,
+                         "x_serial": rate / serial if serial else None, "x_ceiling": rate / ceiling, "x_ceiling_rounds": paired,
+                         "x_ceiling_paired": statistics.median(paired), "cpu": max(extra, key=lambda c: c[0])[1]})
     return rows
 
 
@@ -1141,6 +1172,17 @@ def check_targets(rows, growth, io_workers):
     if stack:
         checks.append(("(b-stack) kpipe >= 0.9x bare processes running the same np.stack code", stack["x_ceiling"], 0.9))
         checks.append(("(b-stack) kpipe >= 0.9x bare processes running the same np.stack code, paired", stack["x_ceiling_paired"], 0.9))
+        stack_a = get("b-stack", "kpipe-ahead")
+        if stack_a:  # the same, without the pass-end barrier of the dataset's hook
+            checks.append(("(b-stack) kpipe epoch_end_ahead=True >= 0.9x bare processes", stack_a["x_ceiling"], 0.9))
+            checks.append(("(b-stack) kpipe epoch_end_ahead=True >= 0.9x bare processes, paired", stack_a["x_ceiling_paired"], 0.9))
+    # where the rest goes: the pass-end barrier, and batches written into slots in turn
+    for workload in ("b", "b-stack", "b-stack-fixed", "b-fixed", "b-direct"):
+        mine = get(workload, "kpipe")
+        for extra in [r for r in rows if r["workload"] == workload and r["loader"].startswith("ceiling-") and mine
+                      and (workload, r["loader"]) != ("b", "ceiling-passes")]:  # ((b) has its line above)
+            print(f"({workload}) {extra['loader']} reaches {extra['x_ceiling']:.2f}x the ceiling (paired {extra['x_ceiling_paired']:.2f}); "
+                  f"kpipe reaches {mine['samples_per_s'] / extra['samples_per_s']:.2f}x of that")
     s_ps, s_ceiling = get("s", "kpipe-samples"), get("s", "ceiling")
     if s_ps and s_ceiling and (s_ps.get("cpu") or {}).get("worker_us_per_sample") and (s_ceiling.get("cpu") or {}).get("worker_us_per_sample"):
         mine, bare = s_ps["cpu"]["worker_us_per_sample"], s_ceiling["cpu"]["worker_us_per_sample"]
@@ -1236,12 +1278,12 @@ def print_blas(rows):
 
 
 _WORKLOADS = ("a", "b", "b-stack", "b-direct", "c", "blas", "s")
-_EXTRA_WORKLOADS = ("b-fixed",)  # run only when named
+_EXTRA_WORKLOADS = ("b-fixed", "b-stack-fixed")  # run only when named
 _ALL_WORKLOADS = _WORKLOADS + _EXTRA_WORKLOADS
 _PEERS = ("grain-loader", "grain-dataset", "torch", "tf.data", "keras-mp")  # for (b)'s target: the other ways to load
 _LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "kpipe-ahead", "kpipe-samples", "grain-loader", "grain-dataset",
             "torch")
-_EPOCHS = "a=10,b=8,b-stack=8,b-fixed=8,b-direct=30,c=2,blas=5,s=10"
+_EPOCHS = "a=10,b=8,b-stack=8,b-fixed=8,b-stack-fixed=8,b-direct=30,c=2,blas=5,s=10"
 
 
 def main(argv=None):
@@ -1255,6 +1297,7 @@ def main(argv=None):
     parser.add_argument("--max-queue-size", type=int, default=10, help="batches in flight. Default: 10")
     parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")
     parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")
+    parser.add_argument("--ceiling-slots", type=int, default=0, help="also run the ceiling of the b workloads with each bare process writing into this many shared-memory slots in turn, as kpipe's workers do (2 per worker in flight and the consumer's: 5 at workers=2), instead of one reused buffer: a row 'ceiling-N-slots'. Default: 0 (off)")
     parser.add_argument("--warm-mb", type=int, default=1024, help="MB written and freed before each run (0: none; see above). Default: 1024")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every loader, in rounds; the best throughput counts. Default: 3")
     parser.add_argument("--blas-workers", default="1,2,4", help="worker counts of the BLAS workload (each loader at each; kpipe also at workers='auto'). Default: 1,2,4")
@@ -1298,17 +1341,21 @@ def main(argv=None):
             path = make_h5(os.path.join(tmpdir, "images.h5"), args.h5_mb * scale)
         if "b" in workloads:
             make = lambda **kw: H5Samples(path, **kw)  # noqa: E731
-            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
+            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
         if "b-stack" in workloads:
             make = lambda **kw: H5SamplesStack(path, **kw)  # noqa: E731
             stack_loaders = [x for x in loaders if x != "kpipe-samples"]  # (b)'s rows have it
-            rows += measure("b-stack", make, stack_loaders, epochs["b-stack"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
+            rows += measure("b-stack", make, stack_loaders, epochs["b-stack"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
+        if "b-stack-fixed" in workloads:
+            make = lambda **kw: H5SamplesStackFixed(path, **kw)  # noqa: E731
+            rows += measure("b-stack-fixed", make, [x for x in loaders if x != "kpipe-samples"], epochs["b-stack-fixed"],
+                            args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
         if "b-fixed" in workloads:
             make = lambda **kw: H5SamplesFixed(path, **kw)  # noqa: E731
-            rows += measure("b-fixed", make, loaders, epochs["b-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
+            rows += measure("b-fixed", make, loaders, epochs["b-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
         if "b-direct" in workloads:
             make = lambda **kw: H5Contiguous(path, **kw)  # noqa: E731
-            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds)
+            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
         if "c" in workloads:
             n = max(8, int(48 * scale))
             make = lambda **kw: Waits(n=n, **kw)  # noqa: E731

@@ -87,6 +87,27 @@ def test_bench_loaders_runs_the_fixed_order_workload_beside_b(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_bench_loaders_splits_the_np_stack_gap_into_the_barrier_and_the_slots(tmp_path):
+    stdout, result = _run(tmp_path, "--workloads", "b-stack,b-stack-fixed", "--loaders", "kpipe,kpipe-ahead", "--epochs", "1",
+                          "--rss-epochs", "0", "--ceiling-slots", "3")
+    # b-stack-fixed has no on_epoch_end: no kpipe-ahead and no barrier there
+    assert [(r["workload"], r["loader"]) for r in result["rows"]] == [
+        ("b-stack", "kpipe"), ("b-stack", "kpipe-ahead"), ("b-stack", "ceiling"), ("b-stack", "ceiling-passes"),
+        ("b-stack", "ceiling-3-slots"), ("b-stack-fixed", "kpipe"), ("b-stack-fixed", "ceiling"), ("b-stack-fixed", "ceiling-3-slots"),
+    ]
+    by = {(r["workload"], r["loader"]): r for r in result["rows"]}
+    for workload in ("b-stack", "b-stack-fixed"):
+        slots, ceiling = by[(workload, "ceiling-3-slots")], by[(workload, "ceiling")]
+        assert slots["samples_per_s"] > 0 and slots["x_ceiling"] == pytest.approx(slots["samples_per_s"] / ceiling["samples_per_s"])
+        assert slots["cpu"]["worker_us_per_sample"] > 0 and slots["cpu"]["main"] == 0.0
+        assert f"({workload}) ceiling-3-slots reaches" in stdout
+    assert "(b-stack) ceiling-passes reaches" in stdout
+    assert "(b-stack) kpipe epoch_end_ahead=True >= 0.9x bare processes, paired" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 def test_bench_loaders_runs_each_loader_and_the_ceiling_for_min_seconds(tmp_path):
     _, result = _run(tmp_path, "--workloads", "b", "--loaders", "kpipe", "--epochs", "1", "--min-seconds", "0.5", "--rss-epochs", "0")
     assert result["min_seconds"] == 0.5
