@@ -77,8 +77,8 @@ N`, each b workload also gets "ceiling-N-slots": the ceiling's processes writing
 batches into N shared-memory slots in turn, as kpipe's workers do (2 per worker in
 flight and one the consumer holds: 5 at workers=2), instead of reusing one buffer --
 what handing batches over in several buffers costs the workers by itself. On the 2-core
-VM this was written on (480 MB of L3 cache, which one reused 77 MB buffer and its
-samples stay in) that is 0.89-0.93x the ceiling for b-stack.
+VM this was written on that is 0.93-0.95x the ceiling for b-stack, at kpipe's own CPU per
+sample (five heap buffers in turn, in the same bare processes, cost nothing).
 Throughput is measured over whole epochs after `--warmup-epochs` (default 1) untimed
 ones, so per-epoch costs (Keras re-forking its pool, say) count and one-time ones are
 reported on their own, as the ceiling's are left out (its workers do one batch before
