@@ -76,9 +76,9 @@ hook); a loader that waits at pass ends stays below ceiling-passes. With `--ceil
 N`, each b workload also gets "ceiling-N-slots": the ceiling's processes writing their
 batches into N shared-memory slots in turn, as kpipe's workers do (2 per worker in
 flight and one the consumer holds: 5 at workers=2), instead of reusing one buffer --
-what handing batches over in several buffers costs the workers by itself. On the 2-core
-VM this was written on that is 0.93-0.95x the ceiling for b-stack, at kpipe's own CPU per
-sample (five heap buffers in turn, in the same bare processes, cost nothing).
+what handing batches over in several buffers costs the workers by itself (each slot is
+paged in before timing starts). On the 2-core VM this was written on: 0.95-0.96x the
+ceiling for b-stack, within the spread of the workers' CPU per sample from run to run.
 Throughput is measured over whole epochs after `--warmup-epochs` (default 1) untimed
 ones, so per-epoch costs (Keras re-forking its pool, say) count and one-time ones are
 reported on their own, as the ceiling's are left out (its workers do one batch before
@@ -863,7 +863,8 @@ def load(i):
             return ds[i]
     finally:
         _alloc.end()
-load(w % len(ds))  # warm-up (lazy file opening, the slot's pages), not timed
+for k in range(len(slots)):  # warm-up (lazy file opening, each slot's pages), not timed
+    load((w + k * n_workers) % len(ds))
 print("READY", flush=True)
 sys.stdin.readline()  # all workers start together
 t0 = time.time(); c0 = time.process_time(); samples = 0; epoch = 0
