@@ -91,30 +91,32 @@ class SampleBatches:
         return self.order(pass_)[b * self.batch_size:(b + 1) * self.batch_size]
 
     def __getitem__(self, key):
-        samples = self.samples(key)
-        first = self.dataset[int(samples[0])]
+        samples = self.samples(key).tolist()
+        first = self.dataset[samples[0]]
         treedef, leaves, paths = _tree.flatten(first, what="sample")
         batch = [_alloc.empty((len(samples),) + leaf.shape, leaf.dtype) for leaf in leaves]
         for out, leaf in zip(batch, leaves):
             out[0] = leaf
         first = leaves = leaf = None
         leaves_of = _leaves_of(treedef)
+        rows = [(path, out, out.shape[1:], out.dtype) for path, out in zip(paths, batch)]
         for row in range(1, len(samples)):
-            j = int(samples[row])
+            j = samples[row]
             sample = self.dataset[j]
             values = leaves_of(sample)
             if values is None:
                 raise BatchStructureError(
                     f"Sample {j} of `{_name(self.dataset)}` has structure "
-                    f"{_tree.describe(_tree.flatten(sample, what='sample')[0])}, but sample {int(samples[0])} of the "
+                    f"{_tree.describe(_tree.flatten(sample, what='sample')[0])}, but sample {samples[0]} of the "
                     f"same batch had {_tree.describe(treedef)}. Every sample must have the same structure.")
-            for path, out, value in zip(paths, batch, values):
-                leaf = value if type(value) is np.ndarray else np.asarray(value)
-                if leaf.shape != out.shape[1:] or leaf.dtype != out.dtype:
+            for (path, out, shape, dtype), value in zip(rows, values):
+                # (NumPy scalars have a shape and dtype already: no array made for a label)
+                leaf = value if type(value) is np.ndarray or isinstance(value, np.generic) else np.asarray(value)
+                if leaf.shape != shape or leaf.dtype != dtype:
                     raise BatchStructureError(
                         f"Sample {j} of `{_name(self.dataset)}` has {path} with shape {leaf.shape} and dtype "
-                        f"{leaf.dtype}, but sample {int(samples[0])} of the same batch had {out.shape[1:]} and "
-                        f"{out.dtype}. Samples are stacked into one batch array: give them one shape and dtype "
+                        f"{leaf.dtype}, but sample {samples[0]} of the same batch had {shape} and "
+                        f"{dtype}. Samples are stacked into one batch array: give them one shape and dtype "
                         "in __getitem__ (resize, crop or pad them), or batch them yourself in a PyDataset.")
                 out[row] = leaf
             # (drop this sample before the next is made: its memory is then reused for it)
