@@ -113,6 +113,29 @@ def test_each_sample_is_released_before_the_next_is_loaded():
     assert sorted(batch[1].tolist()) == sorted(batch[0][:, 0, 0, 0].astype(int).tolist())
 
 
+class _ScalarLabels:
+    """Samples `(image, label)` whose label is a NumPy scalar, a float one from `float_at` on."""
+
+    def __init__(self, n, float_at=None):
+        self.n, self.float_at = n, float_at
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, j):
+        label = np.float64(j) if self.float_at is not None and j >= self.float_at else np.int64(j)
+        return np.full((2, 2), j, np.float32), label
+
+
+def test_numpy_scalar_labels_stack_and_a_changed_dtype_is_named():
+    batch = _samples.SampleBatches(_ScalarLabels(6), 3, shuffle=False, seed=0, drop_remainder=False)[(0, 1)]
+    assert batch[1].dtype == np.int64 and batch[1].tolist() == [3, 4, 5]
+    ds = _samples.SampleBatches(_ScalarLabels(6, float_at=4), 3, shuffle=False, seed=0, drop_remainder=False)
+    with pytest.raises(BatchStructureError, match=r"Sample 4 of `_ScalarLabels` has sample\[1\] with shape \(\) and dtype "
+                                                  r"float64, but sample 3 of the same batch had \(\) and int64"):
+        ds[(0, 1)]
+
+
 def test_dict_samples_and_scalar_labels(no_leaks):
     with kpipe.ProcessLoader.from_samples(Points(n=6, dict_samples=True), 4, workers=2) as loader:
         batch = loader[1]
