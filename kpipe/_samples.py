@@ -20,9 +20,11 @@ and returns the batch arrays, which already live in the slot: the worker hands t
 without a copy. Each sample is dropped before the next is read, so the allocator reuses
 its memory (still in the core's cache) for the next one: holding it made the allocator
 cycle through one more buffer per sample, 10 us more per 600 KB image (workload b of
-`scripts/bench_loaders.py`: 0.86x -> 0.91x of the same work done in place). So each sample is read once per pass (every sample exactly once; the
-`n % B` left over form a smaller last batch, or are left out with `drop_remainder`, and
-rotate with the shuffle), deterministically, and `state()`/`restore()`, sharding
+`scripts/bench_loaders.py`: 0.86x -> 0.91x of the same work done in place).
+
+Built so, each sample is read once per pass (every sample exactly once; the `n % B` left
+over form a smaller last batch, or are left out with `drop_remainder`, and rotate with
+the shuffle), deterministically, and `state()`/`restore()`, sharding
 (`num_shards` splits a pass's batches) and epoch hooks work as for any dataset: this is a
 dataset of batches to the loader. The loader hands workers the key `(pass, batch)` (not
 only the batch index), so no state needs to travel at a pass end to reshuffle. Samples of
