@@ -77,7 +77,7 @@ N`, each b workload also gets "ceiling-N-slots": the ceiling's processes writing
 batches into N shared-memory slots in turn, as kpipe's workers do (2 per worker in
 flight and one the consumer holds: 5 at workers=2), instead of reusing one buffer --
 what handing batches over in several buffers costs the workers by itself (each slot is
-paged in before timing starts). On the 2-core VM this was written on: 0.95-0.96x the
+paged in before timing starts). On the 2-core VM this was written on: 0.95-1.00x the
 ceiling for b-stack, within the spread of the workers' CPU per sample from run to run.
 Throughput is measured over whole epochs after `--warmup-epochs` (default 1) untimed
 ones, so per-epoch costs (Keras re-forking its pool, say) count and one-time ones are
