@@ -1011,7 +1011,7 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
             warm_memory(warm_mb)
             with PeakRSS():
                 slot_ceilings.append(run_ceiling(make, epochs, workers, min_seconds, slots=ceiling_slots))
-            print(f"  {workload}: {'ceiling-slots':<14} {slot_ceilings[-1][0]:10.1f} samples/s{_cpu_text(slot_ceilings[-1][1])}", flush=True)
+            print(f"  {workload}: {f'ceiling-{ceiling_slots}-slots':<14} {slot_ceilings[-1][0]:10.1f} samples/s{_cpu_text(slot_ceilings[-1][1])}", flush=True)
     ceiling_runs = [c[0] for c in ceilings]
     ceiling = max(ceiling_runs) if ceiling_runs else None
     rows = []
@@ -1180,7 +1180,9 @@ def check_targets(rows, growth, io_workers):
     # where the rest goes: the pass-end barrier, and batches written into slots in turn
     for workload in ("b", "b-stack", "b-stack-fixed", "b-fixed", "b-direct"):
         mine = get(workload, "kpipe")
-        for extra in [r for r in rows if r["workload"] == workload and r["loader"].startswith("ceiling-") and mine
+        if mine is None:
+            continue
+        for extra in [r for r in rows if r["workload"] == workload and r["loader"].startswith("ceiling-")
                       and (workload, r["loader"]) != ("b", "ceiling-passes")]:  # ((b) has its line above)
             print(f"({workload}) {extra['loader']} reaches {extra['x_ceiling']:.2f}x the ceiling (paired {extra['x_ceiling_paired']:.2f}); "
                   f"kpipe reaches {mine['samples_per_s'] / extra['samples_per_s']:.2f}x of that")
@@ -1343,14 +1345,13 @@ def main(argv=None):
         if "b" in workloads:
             make = lambda **kw: H5Samples(path, **kw)  # noqa: E731
             rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
+        stack_loaders = [x for x in loaders if x != "kpipe-samples"]  # np.stack batches: no per-sample form ((b)'s rows have it)
         if "b-stack" in workloads:
             make = lambda **kw: H5SamplesStack(path, **kw)  # noqa: E731
-            stack_loaders = [x for x in loaders if x != "kpipe-samples"]  # (b)'s rows have it
             rows += measure("b-stack", make, stack_loaders, epochs["b-stack"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
         if "b-stack-fixed" in workloads:
             make = lambda **kw: H5SamplesStackFixed(path, **kw)  # noqa: E731
-            rows += measure("b-stack-fixed", make, [x for x in loaders if x != "kpipe-samples"], epochs["b-stack-fixed"],
-                            args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
+            rows += measure("b-stack-fixed", make, stack_loaders, epochs["b-stack-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
         if "b-fixed" in workloads:
             make = lambda **kw: H5SamplesFixed(path, **kw)  # noqa: E731
             rows += measure("b-fixed", make, loaders, epochs["b-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
