@@ -12,8 +12,10 @@ state.
 `submodule_scan()` swaps in a version that returns the same list, built from an index
 of `sys.modules`' names by package prefix. The index is kept between calls while
 `sys.modules` holds the same names (checked on entry, and by its length on each call),
-so a module imported in between is found as cloudpickle would find it; the modules are
-looked up in `sys.modules` on each call. Where cloudpickle has no such function (a
+so a module imported in between is found as cloudpickle would find it; so is, per code
+object, which of a prefix's names its `co_names` reach (a stateful dataset's methods are
+pickled again after every pass end, each time the same code); the modules are looked up
+in `sys.modules` on each call. Where cloudpickle has no such function (a
 future version), nothing is swapped and pickling is unchanged.
 """
 
@@ -25,6 +27,7 @@ import types
 import cloudpickle
 
 _NAME = "_find_imported_submodules"
+_MAX_CODES = 4096  # code objects whose reached names are kept
 
 
 def _cloudpickle_globals():
@@ -45,6 +48,7 @@ class _Index:
         self.names = None  # sys.modules' names when the prefixes were listed
         self.count = -1
         self.by_prefix = {}
+        self.by_code = {}  # (code, prefix): the names of by_prefix[prefix] that code reaches
 
     def refresh(self):
         """Drops the lists if `sys.modules` no longer holds the same names."""
@@ -53,6 +57,7 @@ class _Index:
             self.names = frozenset(names)
             self.count = len(self.names)
             self.by_prefix = {}
+            self.by_code = {}
 
     def starting_with(self, prefix):
         if len(sys.modules) != self.count:  # a module imported while pickling
@@ -65,16 +70,20 @@ class _Index:
     def find_imported_submodules(self, code, top_level_dependencies):
         """cloudpickle's `_find_imported_submodules(code, top_level_dependencies)`."""
         subimports = []
-        co_names = None
         for x in top_level_dependencies:
             if isinstance(x, types.ModuleType) and getattr(x, "__package__", None):
                 prefix = x.__name__ + "."
-                for name in self.starting_with(prefix):
-                    if co_names is None:
-                        co_names = set(code.co_names)
-                    if not set(name[len(prefix) :].split(".")) - co_names:
-                        if name in sys.modules:
-                            subimports.append(sys.modules[name])
+                names = self.starting_with(prefix)  # (refreshes both caches if sys.modules changed)
+                reached = self.by_code.get((code, prefix))
+                if reached is None:
+                    if len(self.by_code) >= _MAX_CODES:  # (cells re-run: new code objects)
+                        self.by_code.clear()
+                    co_names = set(code.co_names)
+                    reached = self.by_code[(code, prefix)] = [
+                        name for name in names if not set(name[len(prefix) :].split(".")) - co_names]
+                for name in reached:
+                    if name in sys.modules:
+                        subimports.append(sys.modules[name])
         return subimports
 
 
