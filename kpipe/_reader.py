@@ -311,9 +311,12 @@ class Reader:
         new_payload, new_keys, rewrote = backend.dump(self.dataset)
         same_shape = (not rewrote and payload is not None and new_keys == keys
                       and n == self.position.dataset_length(self.position.next_unread_pass()))
-        # other bytes can hold the same state (a class pickled by value: state_fingerprint)
-        changed = not same_shape or (new_payload != payload and not backend.same_state(self.dataset))
-        return changed, (new_payload, new_keys)
+        if not same_shape or new_payload == payload:
+            return not same_shape, (new_payload, new_keys)
+        # other bytes can hold the same state (a class pickled by value: state_fingerprint),
+        # taken once: the new state's, if it is sent
+        fingerprint = backend.fingerprint(self.dataset)
+        return not backend.same_state(self.dataset, fingerprint), (new_payload, new_keys, fingerprint)
 
     def _reset_target(self, dumped=None, target=_UNSET):
         """Gives the workers the dataset's state (or `target`: None with `dumped`, the

@@ -70,6 +70,28 @@ class StuckWithBigState:
         self.epoch += 1
 
 
+class StuckLoadingState:
+    """Its state after the first `on_epoch_end` hangs a worker that loads it (not this
+    process, where it is made: `owner` is its pid)."""
+
+    def __init__(self):
+        self.owner, self.epoch = os.getpid(), 0
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return np.full((2, 2), i + 10 * self.epoch, "float32")
+
+    def on_epoch_end(self):
+        self.epoch += 1
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.epoch == 1 and os.getpid() != self.owner:
+            time.sleep(3600)
+
+
 class Empty:
     """Batches of 0 rows (copied, and made with `kpipe.empty`), and a normal one. With
     `mixed`, batch 2 also has non-empty leaves beside the empty ones (another structure)."""

@@ -252,6 +252,37 @@ def test_loader_on_epoch_end_with_a_stuck_worker_raises_within_the_timeout(no_le
         loader.close()
 
 
+def test_on_epoch_end_does_not_wait_for_a_stuck_worker_and_its_next_batch_names_what_holds_it(no_leaks):
+    """A small state goes out behind the stuck worker's discarded batch without a wait
+    (workers load it while the next pass is submitted); the next pass's batch queued
+    behind it times out naming the batch the worker is still loading."""
+    loader = kpipe.ProcessLoader(StuckWithBigState(hang_at=1, state_mb=0), workers=1, timeout=60.0)
+    try:
+        assert loader[0][0][0, 0] == 0  # batch 1 is now loading (and hangs) in the worker
+        loader.timeout = 2.0
+        loader.on_epoch_end()  # returns: nothing waits for the worker to load the new state
+        with pytest.raises(kpipe.BatchTimeoutError, match=r"Batch 0 of `StuckWithBigState` did not arrive within timeout=2.0 s "
+                           r"from worker 0 \(pid \d+\), which is still loading batch 1, given to it earlier\."):
+            loader[0]
+    finally:
+        loader.close()
+
+
+def test_a_worker_stuck_loading_the_new_state_is_named_by_the_batch_behind_it(no_leaks):
+    from _engine_datasets import StuckLoadingState
+
+    loader = kpipe.ProcessLoader(StuckLoadingState(), workers=1, timeout=60.0)
+    try:
+        assert [float(loader[i][0, 0]) for i in range(2)] == [0.0, 1.0]
+        loader.timeout = 2.0
+        loader.on_epoch_end()  # the worker hangs unpickling this state
+        with pytest.raises(kpipe.BatchTimeoutError, match=r"Batch 0 of `StuckLoadingState` did not arrive within timeout=2.0 s "
+                           r"from worker 0 \(pid \d+\), which is still loading the new state of the dataset \(after on_epoch_end\)\."):
+            loader[0]
+    finally:
+        loader.close()
+
+
 @pytest.mark.parametrize("start_method", START_METHODS)
 def test_worker_dead_between_batches_fails_the_resync_with_worker_died(start_method, no_leaks):
     ds = Replacing()

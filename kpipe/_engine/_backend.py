@@ -17,8 +17,9 @@ and declares its capabilities as class attributes. Where one is False, the metho
 belong to it keep this base class's answers, which make the loader's rules for it no-ops:
 
     keeps_copy      workers hold a pickled copy of the target, so a hook's changes must be
-                    sent to them (`dump`, `current_state`, `same_state`); False: they share
-                    this process's object, and what they loaded ahead is stale after a hook.
+                    sent to them (`dump`, `current_state`, `same_state`, `fingerprint`);
+                    False: they share this process's object, and what they loaded ahead
+                    is stale after a hook.
     has_slots       batches live in shared-memory slots whose number the owner budgets
                     (`needs_new_slot`, `slots_held`, `slot_releases`, `is_first_use`,
                     `slot_setup_s`, `mean_batch_s`, `idle_workers`, `prepare_slots`).

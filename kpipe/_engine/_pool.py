@@ -64,10 +64,12 @@ Descriptors, bounded by what is alive:
           in `on_epoch_end`, or resized in place) are freed here (`SharedArrays.retain`)
           and named in the `state` message, so each worker unmaps them too.
 
-A new target version without a wait (`send_state`, for `epoch_end_ahead=True`): the
-`state` message goes behind each worker's pending tasks, which still run on the old
-version; tasks submitted after it run on the new one (a worker handles its messages in
-order). It may hold only the shared arrays the workers already map.
+A new target version is not waited for (`reset_target` after a hook, and `send_state`
+for `epoch_end_ahead=True`): the `state` message goes behind each worker's pending
+tasks, which still run on the old version; tasks submitted after it run on the new one
+(a worker handles its messages in order), so the workers unpickle it while this process
+submits the next pass. `send_state`'s may hold only the shared arrays the workers
+already map.
 
 Failures: every wait is a `poll` on the worker sockets and process sentinels with a
 deadline (one poll set, kept while the workers stay the same), and so is every write:
@@ -101,7 +103,7 @@ import weakref
 
 from kpipe._engine import _pickling, _procs, _tree, _wire
 from kpipe._engine._backend import Backend
-from kpipe._engine._workerset import WorkerSet
+from kpipe._engine._workerset import WorkerSet, work_pending
 from kpipe._engine._shm import SlotPool, fd_limit_error, is_fd_exhaustion, plan_layout, raise_fd_limit, take_interrupt
 from kpipe._engine._procs import WORKER_ENV as _WORKER_ENV  # noqa: F401 (scripts/bench_loaders.py)
 from kpipe._engine._procs import describe_exit
@@ -453,19 +455,19 @@ class ProcessBackend(WorkerSet, Backend):
             self._slots.release(task.in_slot)
 
     def reset_target(self, target, dumped=None):
-        """Sends a new version of the target (e.g. after `on_epoch_end`) to every worker.
-
-        Call it with no task in flight (discarded ones may still be). Waits until every
-        worker has loaded it. Shared arrays the new version no longer holds (replaced
-        rather than edited) are freed here and dropped by every worker. Sending and
-        waiting together take at most `timeout`.
+        """Sends a new version of the target (e.g. after `on_epoch_end`) to every worker,
+        behind their discarded tasks (call it with no other task in flight), without
+        waiting for them to load it (NOTE above). A worker that fails to load it fails the
+        pool at the next wait. Shared arrays the new version no longer holds are freed here
+        and dropped by every worker. Sending takes at most `timeout`.
 
         Args:
             target: The new version.
-            dumped: `dump(target)`'s result if the caller pickled it already.
+            dumped: `dump(target)`'s result if the caller pickled it already, optionally
+                with the target's `fingerprint` as a third item (so it is not taken twice).
 
         Raises:
-            BatchTimeoutError: a worker did not take or load the new state in time.
+            BatchTimeoutError: a worker did not take the new state in time.
             WorkerDiedError: a worker is dead (e.g. it died between batches).
         """
         self._check_open()
@@ -473,17 +475,11 @@ class ProcessBackend(WorkerSet, Backend):
         self._raise_if_a_worker_died()
         payload, keys = (dumped[0], dumped[1]) if dumped is not None else self.dump(target)[:2]
         self._send_state_to_all(payload, keys, deadline)
+        self._pump(0)  # a worker found dead by the send (EPIPE) or its sentinel
+        self._raise_if_a_worker_died()
         if self._keep_payload and target is not None:
-            self._sent_fingerprint = _pickling.state_fingerprint(target, self._shared)
-        while any(p.pending for p in self._active):
-            self._raise_if_a_worker_died()
-            remaining = _wire.remaining(deadline)
-            if remaining is not None and remaining <= 0:
-                slow = [p for p in self._active if "state" in p.pending]
-                self._fail(self._send_timed_out(slow[0], "state", None) if slow else BatchTimeoutError(
-                    f"Workers of `{self.name}` did not finish their batches within timeout={self.timeout} s."
-                ))
-            self._pump(remaining)
+            fingerprint = dumped[2] if dumped is not None and len(dumped) > 2 else None
+            self._sent_fingerprint = fingerprint or _pickling.state_fingerprint(target, self._shared)
 
     def dump(self, target):
         """Pickles `target` as the workers would get it. Returns `(payload, keys,
@@ -497,13 +493,18 @@ class ProcessBackend(WorkerSet, Backend):
         """`(payload, keys)` the workers hold now (with `keep_payload=True`; keys sorted)."""
         return self._payload, list(self._keys)
 
-    def same_state(self, target):
+    def same_state(self, target, fingerprint=None):
         """Whether `target` holds the state the workers hold, though it pickles to other
         bytes: the `state_fingerprint`s are equal (keep_payload; taken only here and when
-        a state is sent, not at every `dump`)."""
+        a state is sent, not at every `dump`). `fingerprint`: the target's, taken already
+        (`fingerprint(target)`)."""
         if self._sent_fingerprint is None:
             return False
-        return _pickling.state_fingerprint(target, self._shared) == self._sent_fingerprint
+        return (fingerprint or self.fingerprint(target)) == self._sent_fingerprint
+
+    def fingerprint(self, target):
+        """`target`'s `state_fingerprint` (None where it cannot be taken)."""
+        return _pickling.state_fingerprint(target, self._shared)
 
     @property
     def shared(self):
@@ -660,9 +661,15 @@ class ProcessBackend(WorkerSet, Backend):
         task = self._tasks.get(seq)
         who = f"worker {task.worker.id} (pid {task.worker.pid})" if task else "a worker"
         key = task.key if task else seq
+        pending = list(task.worker.pending) if task is not None else []
+        ahead = pending[: pending.index(seq)] if seq in pending else []  # what it must finish first
+        earlier = next((self._tasks[s].key for s in ahead if s in self._tasks), None)
+        state = (f"which is still loading batch {earlier}, given to it earlier" if earlier is not None else
+                 "which is still loading the new state of the dataset (after on_epoch_end)" if "state" in ahead
+                 else "which is still running")
         return BatchTimeoutError(
             f"Batch {key} of `{self.name}` did not arrive within timeout={self.timeout} s from {who}, "
-            "which is still running. If batches are legitimately this slow, raise `timeout`; "
+            f"{state}. If batches are legitimately this slow, raise `timeout`; "
             "otherwise look for a hang in __getitem__ (a deadlock, a stuck read). The loader "
             "stopped its workers; using it again starts new ones."
         )
@@ -687,7 +694,7 @@ def _load(proc, free=frozenset()):
     that has mapped one of the `free` slots (it writes there without paying for a first
     mapping), then the worker given a task longest ago (round-robin when batches take
     equal times)."""
-    return len(proc.pending), free.isdisjoint(proc.known_slots), proc.last_task, proc.id
+    return work_pending(proc), free.isdisjoint(proc.known_slots), proc.last_task, proc.id
 
 
 __all__ = ["ProcessBackend", "describe_exit", "pack_exception", "rebuild_exception"]

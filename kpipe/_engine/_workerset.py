@@ -48,9 +48,16 @@ from kpipe.errors import BatchTimeoutError, LoaderError
 from multiprocessing import connection as mp_connection
 
 
+def work_pending(proc):
+    """How many of worker `proc`'s pending messages are work (tasks, slot set-ups): a new
+    state of the target (`reset_target`) is not, as every worker gets it and tasks sent
+    behind it wait for it alike -- a worker loading it takes tasks as an idle one does."""
+    return len(proc.pending) - proc.pending.count("state") if proc.pending else 0
+
+
 def _idles(proc):
-    """Whether live worker `proc` has no task (nor other message) pending."""
-    return not proc.pending and proc.dead_error is None
+    """Whether live worker `proc` has no work pending (`work_pending`)."""
+    return proc.dead_error is None and not work_pending(proc)
 
 
 class WorkerSet:
