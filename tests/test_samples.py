@@ -4,6 +4,10 @@ in the same order, read by hand; every sample once per pass; the order independe
 worker count; resumable; shardable; trained by fit() like the same batches in a PyDataset."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import keras
 import numpy as np
@@ -270,3 +274,55 @@ def test_nested_samples_stack_leaf_by_leaf_and_a_changed_structure_is_named():
     bad = _samples.SampleBatches(_Nested(bad_at=2), 4, shuffle=False, seed=0, drop_remainder=False)
     with pytest.raises(BatchStructureError, match=r"Sample 2 of `_Nested` has structure \(\{'a': array\}, array\), but sample 0"):
         bad[(0, 0)]
+
+
+_ORPHAN_SCRIPT = """
+import os, sys, time
+import numpy as np
+import kpipe
+
+class Sleepy:  # each worker marks that it is inside a sample's load, then sleeps an hour
+    def __init__(self, marks):
+        self.marks = marks
+    def __len__(self):
+        return 16
+    def __getitem__(self, j):
+        open(os.path.join(self.marks, str(os.getpid())), 'w').close()
+        time.sleep(3600)
+        return np.zeros(2)
+
+if __name__ == '__main__':
+    loader = kpipe.ProcessLoader.from_samples(Sleepy(sys.argv[1]), 4, shuffle=True, workers=2, timeout=None)
+    pids = loader.stats()['pids']
+    import threading
+    threading.Thread(target=lambda: loader[0], daemon=True).start()  # asks for batches 0-1...
+    deadline = time.monotonic() + 60  # ...until both workers are inside __getitem__ (only catches a hang)
+    while len(os.listdir(sys.argv[1])) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print('PIDS', *pids, flush=True)
+    time.sleep(3600)
+"""
+
+
+def test_sigkilled_main_process_leaves_no_sample_worker_even_mid_sample(tmp_path):
+    from conftest import live_pids
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    pids = []
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), line
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 2 and sorted(os.listdir(tmp_path)) == sorted(map(str, pids))  # both mid-sample
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60  # a deadline that only catches a hang: a sample takes an hour
+        while live_pids(pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not live_pids(pids), f"workers {live_pids(pids)} outlived the SIGKILLed main process"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        for p in live_pids(pids):
+            os.kill(p, signal.SIGKILL)

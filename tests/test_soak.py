@@ -6,6 +6,9 @@
 * 200 open/use/close cycles of `ProcessBackend` over every start method, in a fresh
   interpreter (so `fork` is allowed: no TensorFlow there): no process, descriptor or
   shared-memory segment left at the end.
+* 50 passes of `ProcessLoader.from_samples` over a dataset whose hook changes it, as a
+  manual loop runs them: each sample once a pass, the hook once a pass, processes,
+  descriptors and RSS flat.
 """
 
 import gc
@@ -14,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import psutil
 import pytest
 
@@ -150,3 +154,45 @@ def test_200_fits_on_dropped_loaders_leave_nothing_behind(record_property):
     # forever); a leaked loader would keep its slots and arrays: far more than this.
     assert growth < 256 * 1024, f"RSS grew {growth / 1024:.0f} KiB per fit()"
     assert np.isfinite(model.get_weights()[0]).all()
+
+
+def test_50_epochs_of_from_samples_stay_flat_and_read_each_sample_once_a_pass(no_leaks, record_property):
+    """`ProcessLoader.from_samples` used as a manual loop does -- `len()`, `[i]` and
+    `on_epoch_end()` -- for 50 passes of a dataset whose hook changes it: every pass reads
+    each sample once, on the state its hook left, the hook runs once per pass, and
+    processes, descriptors and RSS stay flat."""
+    from _sample_datasets import Counter
+
+    class Counting(Counter):
+        hook_calls = 0
+
+        def on_epoch_end(self):
+            type(self).hook_calls += 1
+            super().on_epoch_end()
+
+    ds = Counting(n=40)
+    with kpipe.ProcessLoader.from_samples(ds, 4, shuffle=True, seed=1, workers=2) as loader:
+        snaps, orders = {}, set()
+        for epoch in range(51):
+            batches = [loader[i] for i in range(len(loader))]
+            ids = [int(j) for _, y, _ in batches for j in y]
+            assert sorted(ids) == list(range(40)), f"pass {epoch}: {ids}"
+            assert all(np.array_equal(x[:, 0], y.astype(np.float32) + 100 * epoch) for x, y, _ in batches), f"pass {epoch}"
+            orders.add(tuple(ids))
+            del batches
+            if epoch in (5, 50):
+                gc.collect()
+                pids = loader.stats()["pids"]
+                procs = [psutil.Process()] + [psutil.Process(p) for p in pids]
+                snaps[epoch] = {"children": len(kpipe_children()), "pids": sorted(pids),
+                                "fds": [fd_count(p.pid) for p in procs], "memfds": [memfd_count(p.pid) for p in procs],
+                                "rss": [p.memory_info().rss for p in procs]}
+            loader.on_epoch_end()
+    assert Counting.hook_calls == 51
+    assert len(orders) > 40  # shuffled anew each pass
+    start, end = snaps[5], snaps[50]
+    for key in ("children", "pids", "fds", "memfds"):
+        assert end[key] == start[key], f"{key} after 5 passes: {start[key]}, after 50: {end[key]}"
+    growth = [b - a for a, b in zip(start["rss"], end["rss"])]
+    record_property("rss_growth_mib", [round(g / _MIB, 2) for g in growth])
+    assert max(growth) < _RSS_TOLERANCE, f"RSS growth over 45 passes (main, workers), MiB: {[g / _MIB for g in growth]}"
