@@ -79,6 +79,11 @@ flight and one the consumer holds: 5 at workers=2), instead of reusing one buffe
 what handing batches over in several buffers costs the workers by itself (each slot is
 paged in before timing starts). On the 2-core VM this was written on: 0.95-1.00x the
 ceiling for b-stack, within the spread of the workers' CPU per sample from run to run.
+"kpipe-noread" (only when named in `--loaders`) is kpipe with a consumer that takes each
+batch and reads none of it: every other row reads one value per 4 KiB page of every
+batch (see `consume`), which on a machine whose cores the workers fill is CPU taken
+from them -- a cost the bare processes of the ceiling never pay. The two kpipe rows side
+by side are what those reads cost.
 Throughput is measured over whole epochs after `--warmup-epochs` (default 1) untimed
 ones, so per-epoch costs (Keras re-forking its pool, say) count and one-time ones are
 reported on their own, as the ceiling's are left out (its workers do one batch before
@@ -551,12 +556,13 @@ class PeakRSS:
         self._thread.join()
 
 
-def consume(iterator, counts, on_first=None):
+def consume(iterator, counts, on_first=None, read=True):
     """Receives every batch and reads one value per 4 KiB page of it, so that every loader
     pays for making its memory visible here (page faults on shared memory included).
-    `on_first()` is called as the first batch arrives."""
+    `on_first()` is called as the first batch arrives. `read=False` ("kpipe-noread")
+    takes the batches without reading them."""
     for batch in iterator:
-        for leaf in (batch[0], batch[1]):
+        for leaf in (batch[0], batch[1]) if read else ():
             flat = leaf.reshape(-1)
             flat[:: max(1, 4096 // leaf.itemsize)].sum()
         counts[0] += 1
@@ -695,7 +701,7 @@ def run_pydataset(make, kind, epochs, workers, max_queue, warmup=0, min_seconds=
         if warmup and epoch == warmup and begin is not None:
             begin()
         adapter.on_epoch_begin()
-        consume(adapter.get_numpy_iterator(), counts, on_first=None if warmup else begin)
+        consume(adapter.get_numpy_iterator(), counts, on_first=None if warmup else begin, read=kind != "kpipe-noread")
         adapter.on_epoch_end()
     end = time.perf_counter()
     shares = None if cpu is None else cpu.end(_timed_samples(counts, start, warmup))
@@ -1177,11 +1183,16 @@ def check_targets(rows, growth, io_workers):
         if stack_a:  # the same, without the pass-end barrier of the dataset's hook
             checks.append(("(b-stack) kpipe epoch_end_ahead=True >= 0.9x bare processes", stack_a["x_ceiling"], 0.9))
             checks.append(("(b-stack) kpipe epoch_end_ahead=True >= 0.9x bare processes, paired", stack_a["x_ceiling_paired"], 0.9))
-    # where the rest goes: the pass-end barrier, and batches written into slots in turn
+    # where the rest goes: the pass-end barrier, batches written into slots in turn, the consumer's reads
     for workload in ("b", "b-stack", "b-stack-fixed", "b-fixed", "b-direct"):
         mine = get(workload, "kpipe")
         if mine is None:
             continue
+        unread = get(workload, "kpipe-noread")
+        if unread:
+            print(f"({workload}) kpipe with a consumer that reads nothing of its batches reaches {unread['x_ceiling']:.2f}x the ceiling "
+                  f"(paired {unread['x_ceiling_paired']:.2f}); the consumer's one read per page leaves kpipe "
+                  f"{mine['samples_per_s'] / unread['samples_per_s']:.2f}x of that")
         for extra in [r for r in rows if r["workload"] == workload and r["loader"].startswith("ceiling-")
                       and (workload, r["loader"]) != ("b", "ceiling-passes")]:  # ((b) has its line above)
             print(f"({workload}) {extra['loader']} reaches {extra['x_ceiling']:.2f}x the ceiling (paired {extra['x_ceiling_paired']:.2f}); "
@@ -1286,6 +1297,7 @@ _ALL_WORKLOADS = _WORKLOADS + _EXTRA_WORKLOADS
 _PEERS = ("grain-loader", "grain-dataset", "torch", "tf.data", "keras-mp")  # for (b)'s target: the other ways to load
 _LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "kpipe-ahead", "kpipe-samples", "grain-loader", "grain-dataset",
             "torch")
+_EXTRA_LOADERS = ("kpipe-noread",)  # run only when named
 _EPOCHS = "a=10,b=8,b-stack=8,b-fixed=8,b-stack-fixed=8,b-direct=30,c=2,blas=5,s=10"
 
 
@@ -1304,8 +1316,8 @@ def main(argv=None):
     parser.add_argument("--warm-mb", type=int, default=1024, help="MB written and freed before each run (0: none; see above). Default: 1024")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every loader, in rounds; the best throughput counts. Default: 3")
     parser.add_argument("--blas-workers", default="1,2,4", help="worker counts of the BLAS workload (each loader at each; kpipe also at workers='auto'). Default: 1,2,4")
-    parser.add_argument("--loaders", default=",".join(_LOADERS), help=f"comma-separated subset of {','.join(_LOADERS)} (the ceiling always runs; "
-                        "a peer whose package does not import is skipped, with its reason). Default: all")
+    parser.add_argument("--loaders", default=",".join(_LOADERS), help=f"comma-separated subset of {','.join(_LOADERS + _EXTRA_LOADERS)} (the ceiling always runs; "
+                        "a peer whose package does not import is skipped, with its reason). Default: all but kpipe-noread")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (a smoke test, not a measurement)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -1314,7 +1326,7 @@ def main(argv=None):
         parser.error(f"--rss-epochs must be 0 (skip) or >= 3 (growth is measured after epoch 2). Received: {args.rss_epochs}")
     epochs = _bench.parse_epochs(parser, "--epochs", args.epochs, _ALL_WORKLOADS)
     workloads = _bench.parse_names(parser, "--workloads", args.workloads, _ALL_WORKLOADS, allow_empty=True)
-    loaders = _bench.parse_names(parser, "--loaders", args.loaders, _LOADERS)
+    loaders = _bench.parse_names(parser, "--loaders", args.loaders, _LOADERS + _EXTRA_LOADERS)
     blas_counts = _bench.parse_counts(parser, "--blas-workers", args.blas_workers)
     skipped = {k: reason for k in loaders if (reason := peer_missing(k))}
     for k, reason in skipped.items():

@@ -22,6 +22,38 @@ def _run(tmp_path, *args, env=None, timeout=280):
     return proc.stdout, json.loads(out.read_text())
 
 
+def by_loader(result, workload, loader):
+    return next(r for r in result["rows"] if r["workload"] == workload and r["loader"] == loader)
+
+
+def test_the_consumer_reads_every_page_unless_told_not_to():
+    spec = importlib.util.spec_from_file_location("bench_loaders_consume", os.path.join(ROOT, "scripts", "bench_loaders.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Leaf:  # records the pages read
+        itemsize, reads = 4, []
+
+        def reshape(self, *shape):
+            return self
+
+        def __getitem__(self, index):
+            Leaf.reads.append(index)
+            return self
+
+        def sum(self):
+            return 0
+
+        def __len__(self):
+            return 8
+
+    counts = [0, 0, None, 0]
+    bench.consume(iter([(Leaf(), Leaf())]), counts, read=False)
+    assert Leaf.reads == [] and counts[:2] == [1, 8]
+    bench.consume(iter([(Leaf(), Leaf())]), counts)
+    assert Leaf.reads == [slice(None, None, 1024)] * 2 and counts[:2] == [2, 16]
+
+
 def _without(tmp_path, *packages):
     """An environment in which `import <package>` fails for each of `packages`, as where
     it is not installed: a package of that name on PYTHONPATH that raises ImportError."""
@@ -88,13 +120,17 @@ def test_bench_loaders_runs_the_fixed_order_workload_beside_b(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_bench_loaders_splits_the_np_stack_gap_into_the_barrier_and_the_slots(tmp_path):
-    stdout, result = _run(tmp_path, "--workloads", "b-stack,b-stack-fixed", "--loaders", "kpipe,kpipe-ahead", "--epochs", "1",
+    stdout, result = _run(tmp_path, "--workloads", "b-stack,b-stack-fixed", "--loaders", "kpipe,kpipe-ahead,kpipe-noread", "--epochs", "1",
                           "--rss-epochs", "0", "--ceiling-slots", "3")
     # b-stack-fixed has no on_epoch_end: no kpipe-ahead and no barrier there
     assert [(r["workload"], r["loader"]) for r in result["rows"]] == [
-        ("b-stack", "kpipe"), ("b-stack", "kpipe-ahead"), ("b-stack", "ceiling"), ("b-stack", "ceiling-passes"),
-        ("b-stack", "ceiling-3-slots"), ("b-stack-fixed", "kpipe"), ("b-stack-fixed", "ceiling"), ("b-stack-fixed", "ceiling-3-slots"),
+        ("b-stack", "kpipe"), ("b-stack", "kpipe-ahead"), ("b-stack", "kpipe-noread"), ("b-stack", "ceiling"), ("b-stack", "ceiling-passes"),
+        ("b-stack", "ceiling-3-slots"), ("b-stack-fixed", "kpipe"), ("b-stack-fixed", "kpipe-noread"), ("b-stack-fixed", "ceiling"),
+        ("b-stack-fixed", "ceiling-3-slots"),
     ]
+    for workload in ("b-stack", "b-stack-fixed"):  # the consumer's reads, beside the same loader reading nothing
+        assert f"({workload}) kpipe with a consumer that reads nothing of its batches reaches" in stdout
+        assert by_loader(result, workload, "kpipe-noread")["cpu"]["main"] >= 0
     by = {(r["workload"], r["loader"]): r for r in result["rows"]}
     for workload in ("b-stack", "b-stack-fixed"):
         slots, ceiling = by[(workload, "ceiling-3-slots")], by[(workload, "ceiling")]
