@@ -133,3 +133,16 @@ def test_dataset_pickles_go_through_the_index(functions, monkeypatch):
         m.setattr(_pickling, "submodule_scan", contextlib.nullcontext)
         plain, _ = _pickling.dumps(target)
     assert fast == plain
+
+
+def test_the_per_code_lists_stay_bounded_and_give_the_same_submodules(functions, monkeypatch):
+    """A notebook re-running its cells makes new code objects each time: the lists kept
+    per code object are dropped past a bound, and what the search finds is unchanged."""
+    _, funcs = functions
+    original = _original()
+    monkeypatch.setattr(_submodule_scan, "_MAX_CODES", 2)
+    with submodule_scan():
+        for _ in range(2):
+            for f in funcs:
+                assert _submodule_scan._INDEX.find_imported_submodules(f.__code__, _deps(f)) == original(f.__code__, _deps(f))
+                assert len(_submodule_scan._INDEX.by_code) <= 2
