@@ -316,7 +316,7 @@ class Reader:
         # other bytes can hold the same state (a class pickled by value: state_fingerprint),
         # taken once: the new state's, if it is sent
         fingerprint = backend.fingerprint(self.dataset)
-        return not backend.same_state(self.dataset, fingerprint), (new_payload, new_keys, fingerprint)
+        return not backend.same_state(fingerprint), (new_payload, new_keys, fingerprint)
 
     def _reset_target(self, dumped=None, target=_UNSET):
         """Gives the workers the dataset's state (or `target`: None with `dumped`, the

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
@@ -305,7 +304,7 @@ if __name__ == '__main__':
 
 
 def test_sigkilled_main_process_leaves_no_sample_worker_even_mid_sample(tmp_path):
-    from conftest import live_pids
+    from conftest import gone, kill_and_reap, live_pids
 
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(kpipe.__file__))))
     proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
@@ -315,14 +314,10 @@ def test_sigkilled_main_process_leaves_no_sample_worker_even_mid_sample(tmp_path
         assert line.startswith("PIDS"), line
         pids = [int(p) for p in line.split()[1:]]
         assert len(pids) == 2 and sorted(os.listdir(tmp_path)) == sorted(map(str, pids))  # both mid-sample
-        proc.kill()
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 60  # a deadline that only catches a hang: a sample takes an hour
-        while live_pids(pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not live_pids(pids), f"workers {live_pids(pids)} outlived the SIGKILLed main process"
+        kill_and_reap(proc)
+        # (gone's deadline only catches a hang: a sample takes an hour)
+        assert gone(pids), f"workers {live_pids(pids)} outlived the SIGKILLed main process"
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        kill_and_reap(proc)
         for p in live_pids(pids):
             os.kill(p, signal.SIGKILL)

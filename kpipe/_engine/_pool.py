@@ -478,8 +478,8 @@ class ProcessBackend(WorkerSet, Backend):
         self._pump(0)  # a worker found dead by the send (EPIPE) or its sentinel
         self._raise_if_a_worker_died()
         if self._keep_payload and target is not None:
-            fingerprint = dumped[2] if dumped is not None and len(dumped) > 2 else None
-            self._sent_fingerprint = fingerprint or _pickling.state_fingerprint(target, self._shared)
+            taken = dumped is not None and len(dumped) > 2
+            self._sent_fingerprint = dumped[2] if taken else self.fingerprint(target)
 
     def dump(self, target):
         """Pickles `target` as the workers would get it. Returns `(payload, keys,
@@ -493,14 +493,11 @@ class ProcessBackend(WorkerSet, Backend):
         """`(payload, keys)` the workers hold now (with `keep_payload=True`; keys sorted)."""
         return self._payload, list(self._keys)
 
-    def same_state(self, target, fingerprint=None):
-        """Whether `target` holds the state the workers hold, though it pickles to other
-        bytes: the `state_fingerprint`s are equal (keep_payload; taken only here and when
-        a state is sent, not at every `dump`). `fingerprint`: the target's, taken already
-        (`fingerprint(target)`)."""
-        if self._sent_fingerprint is None:
-            return False
-        return (fingerprint or self.fingerprint(target)) == self._sent_fingerprint
+    def same_state(self, fingerprint):
+        """Whether a target of this `fingerprint` (`fingerprint(target)`) holds the state
+        the workers hold, though it pickles to other bytes (keep_payload; fingerprints
+        are taken only for this and when a state is sent, not at every `dump`)."""
+        return fingerprint is not None and fingerprint == self._sent_fingerprint
 
     def fingerprint(self, target):
         """`target`'s `state_fingerprint` (None where it cannot be taken)."""

@@ -572,7 +572,7 @@ class RayBackend(Backend):
     def current_state(self):
         return self._payload, []
 
-    def same_state(self, target, fingerprint=None):
+    def same_state(self, fingerprint):
         return False
 
     def fingerprint(self, target):
