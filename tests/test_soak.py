@@ -23,7 +23,7 @@ import pytest
 
 import kpipe
 from _engine_datasets import Replacing, array_mappings, fd_count, memfd_count
-from conftest import kpipe_children
+from conftest import kpipe_children, reader_of
 from kpipe._engine._pool import ProcessBackend
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -181,17 +181,13 @@ def test_50_epochs_of_from_samples_stay_flat_and_read_each_sample_once_a_pass(no
             orders.add(tuple(ids))
             del batches
             if epoch in (5, 50):
-                gc.collect()
-                pids = loader.stats()["pids"]
-                procs = [psutil.Process()] + [psutil.Process(p) for p in pids]
-                snaps[epoch] = {"children": len(kpipe_children()), "pids": sorted(pids),
-                                "fds": [fd_count(p.pid) for p in procs], "memfds": [memfd_count(p.pid) for p in procs],
-                                "rss": [p.memory_info().rss for p in procs]}
+                backend = reader_of(loader).backend
+                snaps[epoch] = dict(_snapshot(backend), pids=sorted(backend.pids))
             loader.on_epoch_end()
     assert Counting.hook_calls == 51
     assert len(orders) > 40  # shuffled anew each pass
     start, end = snaps[5], snaps[50]
-    for key in ("children", "pids", "fds", "memfds"):
+    for key in ("children", "pids", "fds", "memfds", "array_maps", "entries"):
         assert end[key] == start[key], f"{key} after 5 passes: {start[key]}, after 50: {end[key]}"
     growth = [b - a for a, b in zip(start["rss"], end["rss"])]
     record_property("rss_growth_mib", [round(g / _MIB, 2) for g in growth])
