@@ -79,6 +79,14 @@ flight and one the consumer holds: 5 at workers=2), instead of reusing one buffe
 what handing batches over in several buffers costs the workers by itself (each slot is
 paged in before timing starts). On the 2-core VM this was written on: 0.95-1.00x the
 ceiling for b-stack, within the spread of the workers' CPU per sample from run to run.
+With `--ceiling-read N`, each b workload also gets "ceiling-read": the ceiling's
+processes, each with N shared-memory slots of its own, hand every batch to the
+benchmark's process, which reads one byte per 4 KiB page of it (as `consume` does) and
+hands the slot back -- the least a loader whose consumer reads its batches pays on
+these CPUs (no order, no task messages, no pickling: what is left is the reads, on the
+cores the workers fill); where the dataset has `on_epoch_end`, "ceiling-read-passes" is
+the same with ceiling-passes' barrier (a pass ends once its last batches are read): the
+bound for a loader that keeps Keras's hook semantics and whose batches are read.
 "kpipe-noread" (only when named in `--loaders`) is kpipe with a consumer that takes each
 batch and reads none of it: every other row reads one value per 4 KiB page of every
 batch (see `consume`), which on a machine whose cores the workers fill is CPU taken
@@ -859,9 +867,28 @@ pass_ends = sys.argv[6] == "1"
 # or, with more than one slot, of each slot in turn, where big np.stack results go too.
 slots = [Segment.create(0) for _ in range(int(sys.argv[7]))]
 turn = [0]
+# With a reader (ceiling-read): each batch's slot goes to the main process, which reads
+# it and hands it back; a slot is written again only once handed back.
+read = sys.argv[8] == "1"
+free = list(range(len(slots)))
+def next_slot():
+    if not read:
+        return turn[0] % len(slots)
+    while not free:
+        free.append(int(sys.stdin.readline().split()[1]))  # "F <slot>"
+    return free.pop(0)
 def load(i):
     turn[0] += 1
-    _alloc.begin(slots[turn[0] % len(slots)])
+    k = next_slot()
+    _alloc.begin(slots[k])
+    if read:
+        try:
+            with _alloc.stacking_into():
+                batch = ds[i]
+        finally:
+            _alloc.end()
+        print("B", k, sum(leaf.nbytes for leaf in batch), flush=True)
+        return batch
     try:
         if len(slots) == 1:
             return ds[i]
@@ -870,8 +897,16 @@ def load(i):
     finally:
         _alloc.end()
 for k in range(len(slots)):  # warm-up (lazy file opening, each slot's pages), not timed
-    load((w + k * n_workers) % len(ds))
-print("READY", flush=True)
+    if read:
+        _alloc.begin(slots[k])
+        try:
+            with _alloc.stacking_into():
+                ds[(w + k * n_workers) % len(ds)]
+        finally:
+            _alloc.end()
+    else:
+        load((w + k * n_workers) % len(ds))
+print("READY", *(seg.fd for seg in slots), flush=True)
 sys.stdin.readline()  # all workers start together
 t0 = time.time(); c0 = time.process_time(); samples = 0; epoch = 0
 if pass_ends:  # whole passes; at each end all wait for the last, then run the hook
@@ -879,7 +914,11 @@ if pass_ends:  # whole passes; at each end all wait for the last, then run the h
         for i in range(w, len(ds), n_workers):
             samples += len(load(i)[0])
         print("END", flush=True)
-        if sys.stdin.readline().strip() != "GO":
+        reply = sys.stdin.readline().split()
+        while reply and reply[0] == "F":  # (ceiling-read: the last slots handed back)
+            free.append(int(reply[1]))
+            reply = sys.stdin.readline().split()
+        if reply != ["GO"]:
             break
         ds.on_epoch_end()
 else:
@@ -889,11 +928,78 @@ else:
             if epoch >= epochs and time.time() - t0 >= min_seconds:
                 break
         epoch += 1
-print(samples, t0, time.time(), time.process_time() - c0, flush=True)
+print("DONE", turn[0], samples, t0, time.time(), time.process_time() - c0, flush=True)
 """
 
 
-def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False, slots=1):
+def _read_slots(procs, slot_fds, pass_end=None):
+    """ceiling-read's consumer: takes each batch a bare process announces ("B <slot>
+    <bytes>"), reads one byte per 4 KiB page of it, as `consume` does, and hands the slot
+    back ("F <slot>"), until every process is done ("DONE <batches> ..."). With
+    `pass_end`, once every process has ended its pass ("END", after its last batch) and
+    those batches are read, each is told `pass_end()` ("GO" or "STOP"). Returns the
+    processes' last lines; raises if any batch went unread."""
+    import mmap
+    import selectors
+
+    maps = {}
+    sel = selectors.DefaultSelector()
+    pending = {}
+    for p in procs:
+        sel.register(p.stdout.fileno(), selectors.EVENT_READ, p)
+        pending[p.pid] = b""
+    done, read, ended = {}, 0, set()
+
+    def tell(p, line):
+        try:
+            p.stdin.write(line)
+            p.stdin.flush()
+        except BrokenPipeError:  # it wrote its last batch and is gone
+            pass
+
+    try:
+        while len(done) < len(procs):
+            for key, _ in sel.select():
+                p = key.data
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    raise RuntimeError(f"a ceiling-read process (pid {p.pid}) ended without its result")
+                *lines, pending[p.pid] = (pending[p.pid] + chunk).split(b"\n")
+                for line in lines:
+                    words = line.split()
+                    if words and words[0] == b"DONE":
+                        done[p.pid] = line.decode()
+                        sel.unregister(key.fd)
+                    elif words == [b"END"] and pass_end is not None:
+                        ended.add(p.pid)
+                        if len(ended) == len(procs):
+                            reply = pass_end()
+                            for q in procs:
+                                tell(q, reply + "\n")
+                            ended.clear()
+                    elif words and words[0] == b"B":
+                        slot, nbytes = int(words[1]), int(words[2])
+                        m = maps.get((p.pid, slot))
+                        if m is None or len(m) < nbytes:
+                            fd = os.open(f"/proc/{p.pid}/fd/{slot_fds[p.pid][slot]}", os.O_RDONLY)
+                            try:
+                                m = maps[(p.pid, slot)] = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+                            finally:
+                                os.close(fd)
+                        np.frombuffer(m, np.uint8, count=min(nbytes, len(m)))[::4096].sum()
+                        read += 1
+                        tell(p, f"F {slot}\n")
+    finally:
+        sel.close()
+        for m in maps.values():
+            m.close()
+    written = sum(int(line.split()[1]) for line in done.values())
+    if read != written:
+        raise RuntimeError(f"ceiling-read: the reader took {read} batches of the {written} the processes wrote")
+    return [done[p.pid] for p in procs]
+
+
+def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False, slots=1, read=False):
     """`workers` bare processes doing the same batches, returning nothing, for at least
     `epochs` epochs and `min_seconds` seconds. With `pass_ends`, they run whole passes
     and, at each pass end, wait until all have finished it and then each run the
@@ -901,7 +1007,13 @@ def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False, slots=1):
     puts at every pass end (the next pass may depend on it), at no cost of its own. With
     `slots` > 1, each writes its batches (`kpipe.empty` arrays and big `np.stack` results,
     as kpipe's workers do) into that many shared-memory slots in turn instead of one.
-    Returns `(samples/s, cpu_shares(...))` (the workers' CPU over their timed work)."""
+    With `read` ("ceiling-read"), each has `slots` slots of its own and hands every batch
+    to this process, which reads one byte per 4 KiB page of it (as `consume` does) and
+    hands the slot back: the least any loader whose consumer reads its batches pays (no
+    order, no task messages, no pickling), where `consume` runs on the same CPUs; with
+    `pass_ends` too ("ceiling-read-passes"), a pass ends once its last batches are read.
+    Returns `(samples/s, cpu_shares(...))` (the workers' CPU over their timed work, and
+    this process's while it reads)."""
     import cloudpickle
 
     from kpipe._engine import _pydataset_shim
@@ -924,38 +1036,48 @@ def run_ceiling(make, epochs, workers, min_seconds=0, pass_ends=False, slots=1):
     # The environment of kpipe's workers too (glibc keeps freed buffers for reuse).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **_WORKER_ENV)
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, path, str(w), str(workers), str(epochs), str(min_seconds), str(int(pass_ends)), str(slots)],
+        subprocess.Popen([sys.executable, "-c", code, path, str(w), str(workers), str(epochs), str(min_seconds), str(int(pass_ends)), str(slots),
+                          str(int(read))],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         for w in range(workers)
     ]
+    slot_fds = {}
     for p in procs:
-        assert p.stdout.readline().strip() == "READY"
-    stat0 = _proc_stat()
+        ready = p.stdout.readline().split()
+        assert ready and ready[0] == "READY", ready
+        slot_fds[p.pid] = [int(fd) for fd in ready[1:]]
+    stat0, main0 = _proc_stat(), time.process_time()
     for p in procs:
         p.stdin.write("GO\n")
         p.stdin.flush()
-    t0, done = time.time(), 0
-    while pass_ends:
+    t0, done = time.time(), [0]
+
+    def pass_end():
+        done[0] += 1
+        return "GO" if done[0] < epochs or time.time() - t0 < min_seconds else "STOP"
+
+    while pass_ends and not read:
         for p in procs:
             assert p.stdout.readline().strip() == "END"
-        done += 1
-        go = done < epochs or time.time() - t0 < min_seconds
+        go = pass_end()
         for p in procs:
-            p.stdin.write("GO\n" if go else "STOP\n")
+            p.stdin.write(go + "\n")
             p.stdin.flush()
-        if not go:
+        if go != "GO":
             break
+    lasts = _read_slots(procs, slot_fds, pass_end if pass_ends else None) if read else None
+    main_s = time.process_time() - main0 if read else 0.0
     total, starts, ends, cpu_s = 0, [], [], 0.0
-    for p in procs:
+    for n, p in enumerate(procs):
         out, _ = p.communicate(timeout=1800)
-        samples, start, end, used = out.split()[-4:]
+        samples, start, end, used = (lasts[n] if read else out).split()[-4:]
         total += int(samples)
         starts.append(float(start))
         ends.append(float(end))
         cpu_s += float(used)
     stat1 = _proc_stat()
     os.unlink(path)
-    return total / (max(ends) - min(starts)), cpu_shares(cpu_s, 0.0, stat0, stat1, total)
+    return total / (max(ends) - min(starts)), cpu_shares(cpu_s, main_s, stat0, stat1, total)
 
 
 def warm_memory(mb):
@@ -966,7 +1088,8 @@ def warm_memory(mb):
 
 
 # ------------------------------------------------------------------------------- driver
-def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup=0, warm_mb=0, min_seconds=0, ceiling_slots=0):
+def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup=0, warm_mb=0, min_seconds=0, ceiling_slots=0,
+            ceiling_read=0):
     """Runs every loader (and the ceiling) `repeats` times, in rounds, so that drift in
     the machine's speed spreads over all of them; keeps each one's best throughput (noise
     only ever slows a run down), the median time to first batch and the highest RSS.
@@ -976,7 +1099,7 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
     (`x_ceiling` divides the best by the best); and `cpu`, the CPU shares (`CpuWindow`)
     of its best run, where measured (kpipe and the ceilings). With `workers="auto"`
     (kpipe alone) there is no ceiling: the rows' ceiling multiples are None."""
-    ceilings, barrier_ceilings, slot_ceilings = [], [], []
+    ceilings, barrier_ceilings, slot_ceilings, read_ceilings, read_barrier_ceilings = [], [], [], [], []
     with_ceiling = workers != "auto"
     has_hook = _has_epoch_hook(make())
     loaders = [k for k in loaders if k != "kpipe-ahead" or has_hook]  # the option is for epoch hooks
@@ -1001,23 +1124,34 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
             rate, first_s, batches, cpu, from_first, info = result
             runs[kind].append((rate, first_s, rss.peak / 2**20, batches, cpu, from_first, info))
             ended = f"  (ended with {info['workers_end']} workers)" if workers == "auto" and "workers_end" in info else ""
-            print(f"  {workload}: {kind:<14} {rate:10.1f} samples/s{_cpu_text(cpu)}{ended}", flush=True)
+            print(f"  {workload}: {kind:<19} {rate:10.1f} samples/s{_cpu_text(cpu)}{ended}", flush=True)
         if not with_ceiling:
             continue
         warm_memory(warm_mb)
         with PeakRSS():  # (not reported: sampled so that every run pays the sampler alike)
             ceilings.append(run_ceiling(make, epochs, workers, min_seconds))
-        print(f"  {workload}: {'ceiling':<14} {ceilings[-1][0]:10.1f} samples/s{_cpu_text(ceilings[-1][1])}", flush=True)
+        print(f"  {workload}: {'ceiling':<19} {ceilings[-1][0]:10.1f} samples/s{_cpu_text(ceilings[-1][1])}", flush=True)
         if has_hook:
             warm_memory(warm_mb)
             with PeakRSS():
                 barrier_ceilings.append(run_ceiling(make, epochs, workers, min_seconds, pass_ends=True))
-            print(f"  {workload}: {'ceiling-passes':<14} {barrier_ceilings[-1][0]:10.1f} samples/s{_cpu_text(barrier_ceilings[-1][1])}", flush=True)
+            print(f"  {workload}: {'ceiling-passes':<19} {barrier_ceilings[-1][0]:10.1f} samples/s{_cpu_text(barrier_ceilings[-1][1])}", flush=True)
         if ceiling_slots > 1:
             warm_memory(warm_mb)
             with PeakRSS():
                 slot_ceilings.append(run_ceiling(make, epochs, workers, min_seconds, slots=ceiling_slots))
-            print(f"  {workload}: {f'ceiling-{ceiling_slots}-slots':<14} {slot_ceilings[-1][0]:10.1f} samples/s{_cpu_text(slot_ceilings[-1][1])}", flush=True)
+            print(f"  {workload}: {f'ceiling-{ceiling_slots}-slots':<19} {slot_ceilings[-1][0]:10.1f} samples/s{_cpu_text(slot_ceilings[-1][1])}", flush=True)
+        if ceiling_read:
+            warm_memory(warm_mb)
+            with PeakRSS():
+                read_ceilings.append(run_ceiling(make, epochs, workers, min_seconds, slots=ceiling_read, read=True))
+            print(f"  {workload}: {'ceiling-read':<19} {read_ceilings[-1][0]:10.1f} samples/s{_cpu_text(read_ceilings[-1][1])}", flush=True)
+            if has_hook:
+                warm_memory(warm_mb)
+                with PeakRSS():
+                    read_barrier_ceilings.append(run_ceiling(make, epochs, workers, min_seconds, pass_ends=True, slots=ceiling_read, read=True))
+                print(f"  {workload}: {'ceiling-read-passes':<19} {read_barrier_ceilings[-1][0]:10.1f} samples/s"
+                      f"{_cpu_text(read_barrier_ceilings[-1][1])}", flush=True)
     ceiling_runs = [c[0] for c in ceilings]
     ceiling = max(ceiling_runs) if ceiling_runs else None
     rows = []
@@ -1052,7 +1186,8 @@ def measure(workload, make, loaders, epochs, workers, max_queue, repeats, warmup
         return rows
     rows.append({"workload": workload, "loader": "ceiling", "workers": workers, "samples_per_s": ceiling, "samples_per_s_runs": ceiling_runs,
                  "x_serial": ceiling / serial if serial else None, "x_ceiling": 1.0, "cpu": max(ceilings, key=lambda c: c[0])[1]})
-    for name, extra in (("ceiling-passes", barrier_ceilings), (f"ceiling-{ceiling_slots}-slots", slot_ceilings)):
+    for name, extra in (("ceiling-passes", barrier_ceilings), (f"ceiling-{ceiling_slots}-slots", slot_ceilings), ("ceiling-read", read_ceilings),
+                        ("ceiling-read-passes", read_barrier_ceilings)):
         if extra:
             extra_runs = [c[0] for c in extra]
             rate = max(extra_runs)
@@ -1093,7 +1228,7 @@ def rss_growth(make, epochs, workers):
 
 
 _TABLE = (  # (key in a row, title, alignment and width, format)
-    ("workload", "workload", "<10", ""), ("loader", "loader", "<15", ""), ("workers", "workers", ">8", ""),
+    ("workload", "workload", "<10", ""), ("loader", "loader", "<20", ""), ("workers", "workers", ">8", ""),
     ("samples_per_s", "samples/s", ">12", ".1f"), ("x_serial", "x serial", ">10", ".2f"), ("x_ceiling", "x ceiling", ">11", ".2f"),
     ("x_ceiling_paired", "paired", ">8", ".2f"), ("x_ceiling_from_first", "from 1st", ">10", ".2f"),
     ("first_batch_s", "1st batch s", ">13", ".3f"), ("peak_rss_mb", "peak RSS MB", ">13", ".0f"),
@@ -1129,14 +1264,14 @@ def print_cpu_breakdown(rows):
         split = cpu_breakdown(r, ceiling) if ceiling is not None and r is not ceiling else None
         cpu = r["cpu"]
         lines.append(
-            f"{r['workload']:<10}{r['loader']:<15}{100 * cpu['workers']:>8.0f}%{100 * cpu['main']:>9.0f}%{100 * cpu['idle']:>5.0f}%"
+            f"{r['workload']:<10}{r['loader']:<20}{100 * cpu['workers']:>8.0f}%{100 * cpu['main']:>9.0f}%{100 * cpu['idle']:>5.0f}%"
             f"{100 * cpu['steal']:>6.0f}%{cpu['worker_us_per_sample']:>11.0f}"
             + (f"{split['capacity']:>10.2f}{split['cost']:>7.2f}{split['predicted']:>9.2f}{r['x_ceiling']:>10.2f}" if split else "")
         )
     if lines:
         print("\nWhere the CPU time went in those best runs (shares of all CPUs' time while timed; "
               "x ceiling = capacity x cost):")
-        print(f"{'workload':<10}{'loader':<15}{'workers':>9}{'consumer':>10}{'idle':>6}{'steal':>7}{'us/sample':>11}"
+        print(f"{'workload':<10}{'loader':<20}{'workers':>9}{'consumer':>10}{'idle':>6}{'steal':>7}{'us/sample':>11}"
               f"{'capacity':>10}{'cost':>7}{'product':>9}{'measured':>10}")
         print("\n".join(lines))
 
@@ -1185,18 +1320,20 @@ def check_targets(rows, growth, io_workers):
             checks.append(("(b-stack) kpipe epoch_end_ahead=True >= 0.9x bare processes, paired", stack_a["x_ceiling_paired"], 0.9))
     # where the rest goes: the pass-end barrier, batches written into slots in turn, the consumer's reads
     for workload in ("b", "b-stack", "b-stack-fixed", "b-fixed", "b-direct"):
-        mine = get(workload, "kpipe")
-        if mine is None:
-            continue
+        mine, samples = get(workload, "kpipe"), get(workload, "kpipe-samples")
         unread = get(workload, "kpipe-noread")
-        if unread:
+        if mine and unread:
             print(f"({workload}) kpipe with a consumer that reads nothing of its batches reaches {unread['x_ceiling']:.2f}x the ceiling "
                   f"(paired {unread['x_ceiling_paired']:.2f}); the consumer's one read per page leaves kpipe "
                   f"{mine['samples_per_s'] / unread['samples_per_s']:.2f}x of that")
         for extra in [r for r in rows if r["workload"] == workload and r["loader"].startswith("ceiling-")
                       and (workload, r["loader"]) != ("b", "ceiling-passes")]:  # ((b) has its line above)
-            print(f"({workload}) {extra['loader']} reaches {extra['x_ceiling']:.2f}x the ceiling (paired {extra['x_ceiling_paired']:.2f}); "
-                  f"kpipe reaches {mine['samples_per_s'] / extra['samples_per_s']:.2f}x of that")
+            # (from_samples has no pass-end barrier: it is set beside the other rows only)
+            ours = [(name, row) for name, row in (("kpipe", mine), ("kpipe-samples", samples))
+                    if row and not (name == "kpipe-samples" and extra["loader"].endswith("passes"))]
+            if ours:
+                print(f"({workload}) {extra['loader']} reaches {extra['x_ceiling']:.2f}x the ceiling (paired {extra['x_ceiling_paired']:.2f}); "
+                      + ", ".join(f"{name} reaches {row['samples_per_s'] / extra['samples_per_s']:.2f}x of that" for name, row in ours))
     s_ps, s_ceiling = get("s", "kpipe-samples"), get("s", "ceiling")
     if s_ps and s_ceiling and (s_ps.get("cpu") or {}).get("worker_us_per_sample") and (s_ceiling.get("cpu") or {}).get("worker_us_per_sample"):
         mine, bare = s_ps["cpu"]["worker_us_per_sample"], s_ceiling["cpu"]["worker_us_per_sample"]
@@ -1312,6 +1449,11 @@ def main(argv=None):
     parser.add_argument("--max-queue-size", type=int, default=10, help="batches in flight. Default: 10")
     parser.add_argument("--h5-mb", type=float, default=300, help="size of the generated HDF5 file. Default: 300")
     parser.add_argument("--rss-epochs", type=int, default=20, help="epochs of the RSS-growth check (0: skip). Default: 20")
+    parser.add_argument("--ceiling-read", type=int, default=0, metavar="SLOTS",
+                        help="also run the ceiling of the b workloads with a consumer: each bare process has this many shared-memory slots "
+                             "of its own and hands every batch to the main process, which reads one byte per 4 KiB page of it (as every "
+                             "loader's consumer here does) and hands the slot back -- a row 'ceiling-read': what a loader whose batches are "
+                             "read can reach at best on these CPUs (no order, no task messages). Default: 0 (off)")
     parser.add_argument("--ceiling-slots", type=int, default=0, help="also run the ceiling of the b workloads with each bare process writing into this many shared-memory slots in turn, as kpipe's workers do (2 per worker in flight and the consumer's: 5 at workers=2), instead of one reused buffer: a row 'ceiling-N-slots'. Default: 0 (off)")
     parser.add_argument("--warm-mb", type=int, default=1024, help="MB written and freed before each run (0: none; see above). Default: 1024")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every loader, in rounds; the best throughput counts. Default: 3")
@@ -1341,6 +1483,9 @@ def main(argv=None):
     min_seconds = (0.0 if args.quick else 5.0) if args.min_seconds is None else args.min_seconds
     if not min_seconds >= 0:
         parser.error(f"--min-seconds must be >= 0. Received: {args.min_seconds}")
+    if args.ceiling_read and args.ceiling_read < 2:
+        parser.error(f"--ceiling-read must be 0 (off) or at least 2 slots per process (one written while one is read). "
+                     f"Received: {args.ceiling_read}")
     if args.warm_mb < 0:
         parser.error(f"--warm-mb must be >= 0. Received: {args.warm_mb}")
     warm_mb = int(args.warm_mb * scale)
@@ -1356,20 +1501,25 @@ def main(argv=None):
             path = make_h5(os.path.join(tmpdir, "images.h5"), args.h5_mb * scale)
         if "b" in workloads:
             make = lambda **kw: H5Samples(path, **kw)  # noqa: E731
-            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
+            rows += measure("b", make, loaders, epochs["b"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots,
+                            args.ceiling_read)
         stack_loaders = [x for x in loaders if x != "kpipe-samples"]  # np.stack batches: no per-sample form ((b)'s rows have it)
         if "b-stack" in workloads:
             make = lambda **kw: H5SamplesStack(path, **kw)  # noqa: E731
-            rows += measure("b-stack", make, stack_loaders, epochs["b-stack"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
+            rows += measure("b-stack", make, stack_loaders, epochs["b-stack"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots,
+                            args.ceiling_read)
         if "b-stack-fixed" in workloads:
             make = lambda **kw: H5SamplesStackFixed(path, **kw)  # noqa: E731
-            rows += measure("b-stack-fixed", make, stack_loaders, epochs["b-stack-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
+            rows += measure("b-stack-fixed", make, stack_loaders, epochs["b-stack-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots,
+                            args.ceiling_read)
         if "b-fixed" in workloads:
             make = lambda **kw: H5SamplesFixed(path, **kw)  # noqa: E731
-            rows += measure("b-fixed", make, loaders, epochs["b-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
+            rows += measure("b-fixed", make, loaders, epochs["b-fixed"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots,
+                            args.ceiling_read)
         if "b-direct" in workloads:
             make = lambda **kw: H5Contiguous(path, **kw)  # noqa: E731
-            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots)
+            rows += measure("b-direct", make, loaders, epochs["b-direct"], args.workers, args.max_queue_size, repeats, args.warmup_epochs, warm_mb, min_seconds, args.ceiling_slots,
+                            args.ceiling_read)
         if "c" in workloads:
             n = max(8, int(48 * scale))
             make = lambda **kw: Waits(n=n, **kw)  # noqa: E731

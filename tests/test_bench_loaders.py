@@ -141,16 +141,62 @@ def test_bench_loaders_splits_the_np_stack_gap_into_the_barrier_and_the_slots(tm
     assert "(b-stack) kpipe epoch_end_ahead=True >= 0.9x bare processes, paired" in stdout
 
 
+def test_read_slots_fails_a_run_whose_batches_were_not_all_read(tmp_path):
+    # two stand-in processes: one announces its batch and ends, one claims a batch it never announced
+    script = ("import sys, os, mmap\n"
+              "fd = os.memfd_create('s'); os.ftruncate(fd, 8192)\n"
+              "print('READY', fd, flush=True); sys.stdin.readline()\n"  # (as run_ceiling's processes wait for GO)
+              "announce = sys.argv[1] == '1'\n"
+              "if announce:\n"
+              "    print('B 0 8192', flush=True); assert sys.stdin.readline().split() == ['F', '0']\n"
+              "print('DONE 1 128 0 0 0', flush=True)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, flag], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for flag in ("1", "0")]
+    try:
+        fds = {p.pid: [int(p.stdout.readline().split()[1])] for p in procs}
+        for p in procs:
+            p.stdin.write("GO\n")
+            p.stdin.flush()
+        with pytest.raises(RuntimeError, match="the reader took 1 batches of the 2 the processes wrote"):
+            _bench_module()._read_slots(procs, fds)
+    finally:
+        for p in procs:
+            p.communicate(timeout=60)
+    assert [p.returncode for p in procs] == [0, 0]
+
+
+def test_ceiling_read_needs_two_slots_per_process(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _bench_module().main(["--workloads", "b", "--ceiling-read", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ceiling-read must be 0 (off) or at least 2 slots per process" in err and "Received: 1" in err
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_bench_loaders_runs_each_loader_and_the_ceiling_for_min_seconds(tmp_path):
-    _, result = _run(tmp_path, "--workloads", "b", "--loaders", "kpipe", "--epochs", "1", "--min-seconds", "0.5", "--rss-epochs", "0")
+def test_bench_loaders_runs_each_loader_and_the_ceilings_for_min_seconds_and_hands_ceiling_read_every_batch(tmp_path):
+    stdout, result = _run(tmp_path, "--workloads", "b", "--loaders", "kpipe,kpipe-samples", "--epochs", "1", "--min-seconds", "0.5",
+                          "--rss-epochs", "0", "--ceiling-read", "2")
     assert result["min_seconds"] == 0.5
-    kpipe_row, ceiling, passes = result["rows"]
-    assert passes["loader"] == "ceiling-passes" and passes["samples_per_s"] > 0
-    assert kpipe_row["loader"] == "kpipe" and kpipe_row["batches"] >= 2  # whole epochs: 2 batches each at --quick sizes
-    assert ceiling["loader"] == "ceiling" and ceiling["samples_per_s"] > 0
+    assert [r["loader"] for r in result["rows"]] == ["kpipe", "kpipe-samples", "ceiling", "ceiling-passes", "ceiling-read",
+                                                     "ceiling-read-passes"]
+    by = {r["loader"]: r for r in result["rows"]}
+    assert by["kpipe"]["batches"] >= 2  # whole epochs: 2 batches each at --quick sizes
+    ceiling = by["ceiling"]
+    assert ceiling["samples_per_s"] > 0 and by["ceiling-passes"]["samples_per_s"] > 0 and ceiling["cpu"]["main"] == 0.0
+    for name in ("ceiling-read", "ceiling-read-passes"):
+        read = by[name]
+        assert read["samples_per_s"] > 0 and read["x_ceiling"] == pytest.approx(read["samples_per_s"] / ceiling["samples_per_s"])
+        # the reads are this process's CPU (the bare ceiling's consumer does nothing); a
+        # batch the reader did not take would have failed the run (see _read_slots)
+        assert read["cpu"]["main"] > 0 and read["cpu"]["worker_us_per_sample"] > 0, name
+    # from_samples has no pass-end barrier: set beside ceiling-read, not the passes
+    line = next(x for x in stdout.splitlines() if x.startswith("(b) ceiling-read reaches"))
+    assert "kpipe reaches" in line and "kpipe-samples reaches" in line
+    line = next(x for x in stdout.splitlines() if x.startswith("(b) ceiling-read-passes reaches"))
+    assert "kpipe reaches" in line and "kpipe-samples" not in line
 
 
 @pytest.mark.slow
