@@ -136,6 +136,28 @@ class BigArray:
         return chunk.copy(), np.array([self.data.flags.writeable, float(self.data.sum())])
 
 
+class MissingValues:
+    """A 2 MiB float32 array holding NaNs (missing values) and zeros, shared with the
+    workers; `on_epoch_end` counts passes and, at the first, flips the sign of the zero at
+    `data[1]` in place (-0.0: equal to 0.0 by value, other bytes)."""
+
+    def __init__(self):
+        self.data = np.zeros(1 << 19, dtype="float32")
+        self.data[::7] = np.nan
+        self.epoch = 0
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return self.data[:4].copy(), np.array([self.epoch, i], "int64")
+
+    def on_epoch_end(self):
+        if self.epoch == 0:
+            self.data[1] = -0.0
+        self.epoch += 1
+
+
 class Infinite:
     num_batches = None
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import kpipe
-from _datasets import BigArray, Info, Infinite, Reshuffling, Squares, Structured, serial
+from _datasets import BigArray, Info, Infinite, MissingValues, Reshuffling, Squares, Structured, serial
 from conftest import reader_of
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
@@ -178,6 +178,48 @@ def test_big_arrays_are_shared_once_not_pickled(no_leaks):
             np.testing.assert_array_equal(chunk, ds[i][0])
             assert writeable == 0.0, "shared dataset arrays are read-only in workers"
             assert total == float(ds.data.sum())
+
+
+@pytest.mark.parametrize("a, b, same", [
+    (np.arange(1001, dtype="uint8"), np.arange(1001, dtype="uint8"), True),  # not a multiple of 8 bytes
+    (np.array([np.nan, 1.0] * 40, "float32"), np.array([np.nan, 1.0] * 40, "float32"), True),  # NaN: the same bytes
+    (np.zeros(80, "float32"), -np.zeros(80, "float32"), False),  # -0.0: equal by value, other bytes
+    (np.arange(4000, dtype="int64"), np.concatenate([np.arange(3999), [-1]]).astype("int64"), False),  # the last chunk's last item
+    (np.arange(24.0).reshape(6, 4)[:, ::2], np.arange(24.0).reshape(6, 4)[:, ::2].copy(), True),  # a strided view
+    (np.arange(24.0).reshape(6, 4)[:, ::2], np.where(np.arange(12).reshape(6, 2) == 11, -1.0, np.arange(24.0).reshape(6, 4)[:, ::2]),
+     False),
+    (np.zeros((2, 3), "uint8"), np.zeros((3, 2), "uint8"), False),  # shapes differ
+    (np.zeros(8, "uint8"), np.zeros(8, "int8"), False),  # dtypes differ
+])
+def test_same_bytes_compares_bytes_a_chunk_at_a_time(a, b, same, monkeypatch):
+    from kpipe._engine import _pickling
+
+    monkeypatch.setattr(_pickling, "_COMPARE_CHUNK_BYTES", 64)  # many chunks
+    assert _pickling.same_bytes(a, b) is same
+    assert _pickling.same_bytes(b, a) is same
+
+
+def test_a_pass_end_reads_each_shared_array_once_and_sends_byte_edits_only(monkeypatch, no_leaks):
+    # np.array_equal called an array with NaNs changed at every pass end (its copy was
+    # rewritten and the state re-sent), and missed an in-place edit of 0.0 to -0.0; the
+    # state's fingerprint read every shared array a second time
+    from kpipe._engine import _pickling
+
+    compared = []
+    real = _pickling.same_bytes
+    monkeypatch.setattr(_pickling, "same_bytes", lambda a, b: compared.append(a.nbytes) or real(a, b))
+    ds = MissingValues()
+    with kpipe.ProcessLoader(ds, workers=2) as loader:
+        shared = reader_of(loader).backend.shared
+        for epoch in range(4):
+            for i in range(len(loader)):
+                x, (seen_epoch, index) = loader[i]
+                assert (seen_epoch, index) == (epoch, i)
+                assert np.isnan(x[0]) and x[1] == 0.0 and np.signbit(x[1]) == (epoch > 0), (epoch, x)
+            compared.clear()
+            loader.on_epoch_end()
+            assert compared == [ds.data.nbytes], f"pass end {epoch}: {compared}"
+        assert shared.rewrites == 1  # the -0.0, once; never the NaNs
 
 
 def test_modules_under_a_site_packages_folder_added_to_sys_path_are_libraries(tmp_path, monkeypatch):
