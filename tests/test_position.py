@@ -5,10 +5,14 @@ shards and lengths that change between passes (as grain's prefetch_test.py::test
 checks its iterators)."""
 
 import json
+import random
 
 import pytest
 
-from kpipe._engine._position import STATE_FORMAT, Position
+import kpipe
+from _datasets import Squares
+from conftest import reader_of
+from kpipe._engine._position import STATE_FORMAT, PassLengths, Position
 
 CONFIGS = [
     dict(shuffle=False, seed=0, num_shards=1, shard_index=0),
@@ -133,3 +137,55 @@ def test_a_state_of_another_configuration_is_refused_with_what_differs(change, m
         position.check_state([1, 2], same_length=True, name="Data")
     with pytest.raises(ValueError, match="lacks the entry 'pass'"):
         position.check_state({"format": STATE_FORMAT}, same_length=True, name="Data")
+
+
+class _DictLengths:
+    """The model PassLengths keeps to: a dict of every pass recorded (what Position kept
+    before), the newest being the highest pass's."""
+
+    def __init__(self, length):
+        self.d = {0: length}
+
+    def get(self, p):
+        return self.d.get(p, self.d[max(self.d)])
+
+    def set(self, p, n):
+        self.d[p] = n
+
+    def forget(self, p):
+        if p in self.d and len(self.d) > 1:
+            del self.d[p]
+
+    def forget_after(self, p):
+        for k in [k for k in self.d if k > p]:
+            del self.d[k]
+
+
+def test_pass_lengths_answer_as_a_dict_of_every_pass_would():
+    rng = random.Random(5)
+    for trial in range(300):
+        model, runs = _DictLengths(4), PassLengths(4)
+        for step in range(60):
+            op, p, n = rng.random(), rng.randrange(0, 30), rng.choice([4, 4, 4, 6, 9])
+            if op < 0.6:
+                model.set(p, n), runs.set(p, n)
+            elif op < 0.8:
+                model.forget(p), runs.forget(p)
+            elif op < 0.85:  # as set_length does: the passes after p forgotten, p's length set
+                model.forget_after(p), runs.forget_after(p)
+                model.set(p, n), runs.set(p, n)
+            ctx = (trial, step, sorted(model.d.items()), runs.runs())
+            assert [runs.get(q) for q in range(35)] == [model.get(q) for q in range(35)], ctx
+            assert [runs.has(q) for q in range(35)] == [q in model.d for q in range(35)], ctx
+            assert runs.newest == model.d[max(model.d)] and runs.count() == len(model.d), ctx
+            assert all(a[1] + 1 < b[0] or a[2] != b[2] for a, b in zip(runs.runs(), runs.runs()[1:])), ctx  # merged
+
+
+def test_a_loader_keeps_one_run_of_lengths_however_many_passes_it_reads():
+    with kpipe.ProcessLoader(Squares(), workers=0) as loader:
+        for epoch in range(300):
+            for i in range(len(loader)):
+                loader[i]
+            loader.on_epoch_end()
+        lengths = reader_of(loader).position.lengths
+        assert lengths.count() >= 300 and lengths.runs() == [(0, lengths.count() - 1, len(loader))]
