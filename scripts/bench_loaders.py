@@ -877,35 +877,24 @@ def next_slot():
     while not free:
         free.append(int(sys.stdin.readline().split()[1]))  # "F <slot>"
     return free.pop(0)
-def load(i):
-    turn[0] += 1
-    k = next_slot()
+def fill(k, i):  # batch i, its kpipe.empty arrays (and, with several slots or a reader, big np.stack results) in slot k
     _alloc.begin(slots[k])
-    if read:
-        try:
-            with _alloc.stacking_into():
-                batch = ds[i]
-        finally:
-            _alloc.end()
-        print("B", k, sum(leaf.nbytes for leaf in batch), flush=True)
-        return batch
     try:
-        if len(slots) == 1:
+        if len(slots) == 1 and not read:
             return ds[i]
         with _alloc.stacking_into():
             return ds[i]
     finally:
         _alloc.end()
-for k in range(len(slots)):  # warm-up (lazy file opening, each slot's pages), not timed
+def load(i):
+    turn[0] += 1
+    k = next_slot()
+    batch = fill(k, i)
     if read:
-        _alloc.begin(slots[k])
-        try:
-            with _alloc.stacking_into():
-                ds[(w + k * n_workers) % len(ds)]
-        finally:
-            _alloc.end()
-    else:
-        load((w + k * n_workers) % len(ds))
+        print("B", k, sum(leaf.nbytes for leaf in batch), flush=True)
+    return batch
+for k in range(len(slots)):  # warm-up (lazy file opening, each slot's pages), not timed
+    fill(k, (w + k * n_workers) % len(ds))
 print("READY", *(seg.fd for seg in slots), flush=True)
 sys.stdin.readline()  # all workers start together
 t0 = time.time(); c0 = time.process_time(); samples = 0; epoch = 0

@@ -105,7 +105,7 @@ class _Aliases:
     def __init__(self, shared, ids):
         self._shared, self._ids = shared, ids
 
-    def put(self, arr):
+    def put(self, arr, compare=True):  # (SharedArrays.put's signature; the copy's views are read-only)
         key = self._ids.get(id(arr))
         if key is None:
             raise NotAhead(f"on_epoch_end left a {arr.nbytes}-byte array that the workers do not hold (a new or resized array)")

@@ -151,7 +151,7 @@ class _Pickler(cloudpickle.Pickler):
             return None
         if type(obj) is np.ndarray:
             if self._shared is not None and obj.nbytes >= SHARE_MIN_BYTES and obj.dtype.kind in _OK_KINDS:
-                key, _ = self._shared.put(obj) if self._compare else self._shared.put(obj, compare=False)
+                key, _ = self._shared.put(obj, compare=self._compare)
                 self._used.add(key)
                 return ("kpipe-shared-array", key, self._shared.layout(key)[0])
             return None
