@@ -23,7 +23,6 @@ Every method runs under the facade's lock (an `RLock`), except `queue_depth()`.
 import collections
 import contextlib
 import functools
-import logging
 import math
 import threading
 import time
@@ -32,7 +31,7 @@ import weakref
 import numpy as np
 
 from kpipe import _compat, _dataset_api, _stream
-from kpipe._engine import _ahead, _tree
+from kpipe._engine import _ahead, _pickling, _tree, _unsent
 from kpipe._engine._local import InlineBackend, ThreadBackend
 from kpipe._engine._pool import ProcessBackend
 from kpipe._engine._ray import RayBackend
@@ -40,10 +39,7 @@ from kpipe._engine._position import Position
 from kpipe._engine._window import _UNSET, Window
 from kpipe.errors import LoaderClosedError
 
-# _maybe_suggest_ahead logs once pass-start waits reach this share of the time since the first batch.
-_SUGGEST_AHEAD_SHARE = 0.05
 _AUTO_DECISIONS_KEPT = 100
-logger = logging.getLogger("kpipe")
 
 
 def _locked(method):
@@ -112,8 +108,9 @@ class Reader:
         # with hooks). None: no limit. Reads past it lift it.
         self._read_limit = None
         self._checker = _tree.StructureChecker(name)
-        self._ahead_suggested = False  # the INFO line of _maybe_suggest_ahead, once
         self._completed_before = None  # the pass that follows the last one completed here
+        self._check_due = False  # a pass ended and no state check ran since (see check_state)
+        self._unsent = _unsent.UnsentWatch(name)  # class/module state the workers cannot see: warned once
         self._auto_decisions = collections.deque(maxlen=_AUTO_DECISIONS_KEPT)
         self._t_created = time.perf_counter()
         self.start_backend()
@@ -143,6 +140,8 @@ class Reader:
                 self._hooks_due = False
             if self._read_limit is not None and key >= self._read_limit:
                 self._read_limit = None
+            if self._check_due and key[0] >= self.position.head[0]:  # a pass read without on_epoch_end
+                self.check_state()
         entry = window.seek(key, probe=keep)
         if entry.batch is not None:
             batch = entry.batch
@@ -240,6 +239,7 @@ class Reader:
         head = position.head
         self._completed_before = head[0]
         self.window.drop_where(lambda k: k < head)
+        self._check_due = True
         if self.stateful:
             self._hooks_due = True
         self.fill_after_read()
@@ -268,6 +268,8 @@ class Reader:
         if not _dataset_api.overrides(self.dataset, name):
             if callable(hook):
                 hook()  # (PyDataset's no-op)
+            if name == "on_epoch_end":
+                self.check_state(fill=False)
             if fill:
                 self.fill_after_read()
             return
@@ -294,6 +296,7 @@ class Reader:
             if current is not None:
                 self.cancel_ahead()
             changed, dumped = self._state_changed(n)
+        self._check_due = False
         if changed:
             self.window.drop_all()
             position.set_length(n)
@@ -301,12 +304,25 @@ class Reader:
         if fill:
             self.fill_after_read()
 
+    def check_state(self, fill=True):
+        """Between passes, outside any hook (`on_epoch_end` of a dataset without one, or the
+        first read of a pass no `on_epoch_end` preceded): what the dataset holds now reaches
+        the workers if it changed since they got it (`ds.offset = 100` between passes; an
+        array edited in place) -- batches loaded ahead under the old state are dropped.
+        One `dump` of the dataset per pass (what it costs: README, "What the fast paths
+        assume"). Threads and `workers=0` share the dataset: nothing to send."""
+        self._check_due = False
+        backend = self.backend
+        if backend is None or not backend.keeps_copy or backend.closed or self.ahead.current is not None:
+            return
+        self._hook_ran("on_epoch_end", fill)
     def _state_changed(self, n):
         """Whether the workers' copy of the dataset is stale now (with a fresh pickle of
         it, or None where the backend holds no pickle)."""
         backend = self.backend
         if backend is None or not backend.keeps_copy or backend.closed:
             return True, None
+        self._unsent.check(self.dataset, _pickling.by_value_modules(self.dataset))
         payload, keys = backend.current_state()
         new_payload, new_keys, rewrote = backend.dump(self.dataset)
         same_shape = (not rewrote and payload is not None and new_keys == keys
@@ -335,20 +351,10 @@ class Reader:
     def _maybe_suggest_ahead(self):
         """Once per loader, at INFO: the consumer spent a noticeable share of its time
         waiting at the starts of passes that the dataset's own hook held back."""
-        st = self.stats
-        if not self.stateful or self.ahead.requested or self._ahead_suggested or st["passes"] < 3:
+        st, backend = self.stats, self.backend
+        if not self.stateful or st["first_batch_s"] is None or backend is None or not backend.can_send_state:
             return
-        if st["first_batch_s"] is None or self.backend is None or not self.backend.can_send_state:  # the option needs it
-            return
-        since_first = time.perf_counter() - self._t_created - st["first_batch_s"]
-        if since_first > 0 and st["pass_start_wait_s"] >= _SUGGEST_AHEAD_SHARE * since_first:
-            self._ahead_suggested = True
-            logger.info(
-                "ProcessLoader(%s): the consumer waited %.2f s for the first batches of passes (%.0f%% of the %.1f s "
-                "since the first batch; stats()['pass_start_wait_s']): the dataset's on_epoch_end makes each pass wait "
-                "for the previous one's last batch. If the hook changes nothing but the dataset (a reshuffle, an epoch "
-                "counter), epoch_end_ahead=True loads the next pass while this one ends.",
-                self.name, st["pass_start_wait_s"], 100 * st["pass_start_wait_s"] / since_first, since_first)
+        self.ahead.maybe_suggest(st, time.perf_counter() - self._t_created - st["first_batch_s"])
 
     # ------------------------------------------ epoch_end_ahead (kpipe/_engine/_ahead.py)
     def begin_ahead(self, last):
@@ -429,7 +435,7 @@ class Reader:
                 seed=self.position.seed,
                 keep_idle=self.max_queue_size + (auto.max_workers if auto else self.num_workers),
                 max_workers=auto.max_workers if auto else None,
-                keep_payload=self.stateful,  # compared with the dataset after its hooks
+                keep_payload=True,  # compared with the dataset at each pass end (check_state, _hook_ran)
                 worker_threads=self.worker_threads,
                 **common,
             )

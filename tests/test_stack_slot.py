@@ -37,13 +37,29 @@ def test_big_stacks_land_in_the_slot_and_equal_numpy(in_slot, axis):
     assert got.shape == want.shape and got.dtype == want.dtype and np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("case", ["dtype", "mixed", "generator", "casting"])
-def test_dtypes_generators_and_casting_as_numpy(in_slot, case):
+def _outcome(call):
+    try:
+        got = call()
+    except Exception as exc:
+        return type(exc), str(exc)
+    return got.shape, got.dtype, got.tobytes()
+
+
+def test_a_generator_gets_what_numpy_gives_it(in_slot):
+    arrays = _big()
+    got = _outcome(lambda: np.stack(a for a in arrays))
+    assert got == _outcome(lambda: _alloc._np_stack(a for a in arrays))
+    if np.lib.NumpyVersion(np.__version__) >= "2.0.0":
+        assert got[0] is TypeError  # NumPy 2 refuses it
+
+
+@pytest.mark.parametrize("case", ["dtype", "mixed", "tuple", "casting"])
+def test_dtypes_tuples_and_casting_as_numpy(in_slot, case):
     arrays = _big(dtype="float64") if case != "mixed" else _big(2, dtype="int32") + _big(2, dtype="float32")
     kwargs = {"dtype": "float32"} if case in ("dtype", "casting") else {}
     if case == "casting":
         kwargs["casting"] = "same_kind"
-    given = (a for a in arrays) if case == "generator" else arrays
+    given = tuple(arrays) if case == "tuple" else arrays
     got = np.stack(given, **kwargs)
     want = _alloc._np_stack(arrays, **kwargs)
     assert in_slot.offset_of(got) is not None
@@ -124,3 +140,51 @@ def test_a_dataset_keeping_slot_memory_never_sees_it_overwritten(no_leaks, keep)
             loader.on_epoch_end()
     assert all(intact for _, intact, _ in reports), reports
     assert reports[-1][2] == 6  # it kept one per batch index
+
+
+def _numpys_shape_base_tests():
+    import importlib
+
+    for name in ("numpy._core.tests.test_shape_base", "numpy.core.tests.test_shape_base"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    pytest.skip("NumPy's own tests are not installed with this NumPy")
+
+
+def test_numpys_own_stack_tests_pass_through_the_interception(in_slot, monkeypatch):
+    """NumPy's `test_stack` and `test_stack_out_and_dtype`, with every stack (however
+    small) intercepted: it accepts, returns and raises what NumPy does."""
+    module = _numpys_shape_base_tests()
+    monkeypatch.setattr(_alloc, "STACK_MIN_BYTES", 0)
+    monkeypatch.setattr(module, "stack", _alloc._stack)  # (their module binds `stack` by name)
+    placed = []
+    real_empty = in_slot.empty
+
+    def empty(shape, dtype):
+        arr = real_empty(shape, dtype)
+        placed.append(arr.nbytes)
+        return arr
+
+    monkeypatch.setattr(in_slot, "empty", empty)
+    module.test_stack()
+    cases = 0
+    for out_dtype in ("c8", "f4", "f8", ">f8", "i8"):
+        for casting in ("no", "equiv", "safe", "same_kind", "unsafe"):
+            module.test_stack_out_and_dtype(0, out_dtype, casting)
+            cases += 1
+    assert cases == 25 and len([n for n in placed if n]) >= 10  # the interception did place results in the slot
+
+
+def test_the_interception_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("KPIPE_STACK_INTO_SLOT", "0")
+    segment = Segment.create(0, "test-stack-off")
+    alloc = _alloc.begin(segment)
+    try:
+        with _alloc.stacking_into():
+            got = np.stack(_big())
+        assert alloc.offset_of(got) is None and got.flags.owndata
+    finally:
+        _alloc.end()
+        segment.close()

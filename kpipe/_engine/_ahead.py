@@ -13,7 +13,10 @@ With `ProcessLoader(..., epoch_end_ahead=True)`, once the last batch of pass p i
 to the workers the loader
 
 1. rebuilds a copy of the dataset from the bytes the workers hold (`dumps` output; big
-   arrays are read-only views of their shared copies, so the copy cannot edit them),
+   arrays are read-only views of their shared copies, so the copy cannot edit them; a
+   class sent by value is rebuilt as the copy's own class, with its own globals, so the
+   hook on the copy never touches the user's class, its methods or its globals --
+   `_pickling.loads_apart`),
 2. runs `on_epoch_end` (and `on_epoch_begin` if the dataset defines one) on the copy,
    with this process's `random` and `numpy.random` global states saved and restored
    around it (a hook calling `np.random.shuffle` draws the same numbers when it really
@@ -55,6 +58,7 @@ import numpy as np
 from kpipe._engine import _pickling
 
 MISSES_OFF = 2  # misses in a row after which a loader stops loading ahead
+SUGGEST_SHARE = 0.05  # `maybe_suggest` logs once pass-start waits reach this share of the time
 logger = logging.getLogger("kpipe")
 
 
@@ -133,8 +137,8 @@ def run_hook_on_copy(payload, shared, *, call_hooks, num_batches, what):
         NotAhead: the copy cannot stand for the real dataset this pass.
     """
     arrays = _ReadOnlyArrays(shared) if shared is not None else None  # None: arrays travel in the payload
-    try:
-        copy = _pickling.loads(payload, arrays if arrays is not None else {})
+    try:  # (classes sent by value are the copy's own: the user's class is never rebound)
+        copy = _pickling.loads_apart(payload, arrays if arrays is not None else {})
     except Exception as exc:
         raise NotAhead(f"the dataset could not be rebuilt here: {type(exc).__name__}: {exc}") from None
     states = random.getstate(), np.random.get_state()
@@ -189,6 +193,22 @@ class LoadAhead:
             self.stats = {"kept": 0, "missed": 0, "skipped": 0, "off": off, "last_reason": None}
         self.tried = None  # the pass whose end was last tried
         self._fails = 0  # misses and skips in a row
+        self.suggested = False  # the INFO line of maybe_suggest, once
+
+    def maybe_suggest(self, stats, since_first):
+        """Once per loader of a dataset with hooks, at INFO, where the option is off: the
+        consumer waited `SUGGEST_SHARE` or more of the `since_first` seconds since the first
+        batch at the starts of passes the hook held back (`stats["pass_start_wait_s"]`)."""
+        if self.requested or self.suggested or stats["passes"] < 3:
+            return
+        if since_first > 0 and stats["pass_start_wait_s"] >= SUGGEST_SHARE * since_first:
+            self.suggested = True
+            logger.info(
+                "ProcessLoader(%s): the consumer waited %.2f s for the first batches of passes (%.0f%% of the %.1f s "
+                "since the first batch; stats()['pass_start_wait_s']): the dataset's on_epoch_end makes each pass wait "
+                "for the previous one's last batch. If the hook changes nothing but the dataset (a reshuffle, an epoch "
+                "counter), epoch_end_ahead=True loads the next pass while this one ends.",
+                self.name, stats["pass_start_wait_s"], 100 * stats["pass_start_wait_s"] / since_first, since_first)
 
     def may_try(self, pass_):
         """Whether to try loading the pass after `pass_` ahead now."""

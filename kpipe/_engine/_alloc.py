@@ -13,21 +13,30 @@ fresh array per call that the worker then copies into the slot (77 MB twice per 
 workload b). While a process worker runs `__getitem__`, `numpy.stack` is wrapped
 (`stacking_into`): a stack of plain ndarrays whose result is at least `STACK_MIN_BYTES`
 gets `out=` an array in the slot -- same values, shape and dtype as NumPy's, but no new
-allocation and no copy. Everything else (`out=` given, object dtypes, subclasses,
-`__array_function__` types, small results, mismatched shapes) goes to NumPy unchanged.
+allocation and no copy. Everything else (`out=` given, anything but a list or tuple of
+arrays -- a generator, which NumPy 2 refuses --, object dtypes, subclasses,
+`__array_function__` types, small results, mismatched shapes) goes to NumPy unchanged,
+which returns or raises what it would. NumPy's own `np.stack` tests run through it
+(tests/test_stack_slot.py). `KPIPE_STACK_INTO_SLOT=0` in the environment turns it off.
 Code that bound `from numpy import stack` at import is not reached (nothing changes
 for it).
 
 That puts memory the dataset sees in the slot, and a slot is reused for a later batch. A
 dataset that keeps such an array (a cache) -- or a `kpipe.empty` array, against its
-docstring -- would see it overwritten. So after each task the worker checks whether
-anything outside it still references the slot's mappings (`SlotAllocator.kept`: their
-reference counts, with the task's own references dropped); if so, the batch is marked
-"pinned" and the main process retires that slot once the consumer lets go of it instead
-of reusing it (its pages live on, for the dataset, as long as it keeps the array). A
-cache costs a slot per kept batch, as it costs an array per kept batch without kpipe.
+docstring -- would see it overwritten; one that refills what it kept (`np.stack(rows,
+out=self.buf)`, `self.buf[...] = ...` on a kept `kpipe.empty` buffer) would write into a
+batch the consumer still reads. So after each task, whether it returned or raised (a
+cache filled before an exception), the worker checks whether anything outside it still
+references the slot's mappings (`SlotAllocator.kept`: their reference counts, with the
+task's own references and the exception dropped); if so (`keep_apart`) it gives those
+addresses private pages holding the same bytes -- the dataset keeps its arrays, values
+and addresses, the consumer's batch stays in the file's pages, and neither sees the
+other's writes -- and the batch is marked "pinned": the main process retires that slot
+once the consumer lets go of it instead of reusing it. A cache costs a copy and a slot
+per kept batch, as it costs an array per kept batch without kpipe.
 """
 
+import os
 import sys
 import threading
 
@@ -58,16 +67,42 @@ class SlotAllocator:
         self.segment.write([a for a, _ in copies], [lay for _, lay in copies])
         return layout
 
+    def _kept(self):
+        """Indexes into `_bufs` of the mappings something other than the segment still
+        references."""
+        out = []
+        for i in range(len(self._bufs)):
+            buf = self._bufs[i]
+            # references: this list, `buf`, getrefcount's argument (+ the segment's)
+            if sys.getrefcount(buf) > 3 + (buf is self.segment.mapping):
+                out.append(i)
+            del buf
+        return out
+
     def kept(self):
         """Whether something other than the segment still references memory this task
         allocated here (the dataset kept an array or a view of it): the caller must have
         dropped its own references to the batch first. See the NOTE."""
-        for buf in self._bufs:
-            # references: this list, the loop variable, getrefcount's argument (+ the segment's)
-            ours = 3 + (buf is self.segment.mapping)
-            if sys.getrefcount(buf) > ours:
-                return True
-        return False
+        return bool(self._kept())
+
+    def keep_apart(self):
+        """If the dataset kept memory of this slot (`kept`), gives the dataset its own
+        copy of it: the mapping's addresses in this process get private pages holding the
+        same bytes (`Mapping.detach`), so what the dataset writes there later (an `out=`
+        target or a `kpipe.empty` buffer it refills) never reaches the batch the consumer
+        reads from the slot's file. Returns whether it kept memory: the caller then has
+        the slot retired (never written again: this process no longer maps it). See the
+        NOTE."""
+        kept = self._kept()
+        for i in kept:
+            buf = self._bufs[i]
+            mapping = buf.base
+            if getattr(mapping, "detach", None) is not None:
+                mapping.detach(min(self.used, buf.nbytes))
+            if buf is self.segment.mapping:
+                self.segment.forget_mapping()  # (its addresses are the dataset's now)
+            del buf, mapping
+        return bool(kept)
 
     def empty(self, shape, dtype):
         dtype = np.dtype(dtype)
@@ -147,7 +182,8 @@ _np_stack = np.stack
 
 def _stack(arrays, axis=0, out=None, **kwargs):
     """`numpy.stack`, with the result in the current slot where it is big enough (the NOTE)."""
-    if out is not None or _CURRENT is None or threading.get_ident() != _OWNER:
+    if out is not None or _CURRENT is None or threading.get_ident() != _OWNER or type(arrays) not in (list, tuple):
+        # (a generator or other iterable: NumPy 2 refuses it, NumPy 1 warns -- as NumPy does)
         return _np_stack(arrays, axis=axis, out=out, **kwargs)
     arrays = [np.asanyarray(a) for a in arrays]
     first = arrays[0] if arrays else None
@@ -167,10 +203,12 @@ def _stack(arrays, axis=0, out=None, **kwargs):
 
 
 class stacking_into:
-    """Context: `numpy.stack` places big results in the current slot (see the NOTE)."""
+    """Context: `numpy.stack` places big results in the current slot (see the NOTE), unless
+    `KPIPE_STACK_INTO_SLOT=0` is in the environment (the workers inherit it)."""
 
     def __enter__(self):
-        np.stack = _stack
+        if os.environ.get("KPIPE_STACK_INTO_SLOT", "1") != "0":
+            np.stack = _stack
         return self
 
     def __exit__(self, *exc):

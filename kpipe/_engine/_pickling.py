@@ -216,6 +216,9 @@ def _by_value_modules(obj):
     return out
 
 
+by_value_modules = _by_value_modules  # (for `_unsent.py`: classes of these modules travel by value)
+
+
 @contextlib.contextmanager
 def _pickled_by_value(modules):
     registered = []
@@ -265,33 +268,30 @@ def dumps(obj, shared=None, what=None):
 
 
 def state_fingerprint(obj, shared=None):
-    """Bytes that change when `obj`'s own state does: its pickle without its class (the
-    state `__reduce_ex__` gives, shared arrays as their keys), or None where it cannot be
-    taken. A class pickled by value (defined in `__main__` or a notebook) pickles to
-    other bytes once a module its methods use is imported later (cloudpickle lists the
-    submodules imported at the time; NumPy 2 imports `numpy.random` lazily): comparing
-    this instead tells a dataset its `on_epoch_end` left as it was from one it changed.
-    Shared arrays count by their keys, unread: whether their contents changed is what
-    the `dumps` taken just before found (its `SharedArrays.rewrites`), and reading them
-    again would double what a pass end costs a dataset that holds its data in memory."""
+    """Bytes that change when anything `dumps(obj)` sends does -- the object's state, and
+    its class's attributes and the globals its methods use where those travel by value (a
+    class defined in `__main__` or a notebook: `type(self).scale += 1` in a hook) -- but
+    not when only this process's history does: `obj` pickled as `dumps` pickles it, except
+    that functions sent by value list no imported submodules (cloudpickle lists the
+    submodules loaded at the time, and NumPy 2 imports `numpy.random` lazily, so the same
+    state pickles to other bytes later). None where it cannot be taken. Shared arrays count
+    by their keys, unread: whether their contents changed is what the `dumps` taken just
+    before found (its `SharedArrays.rewrites`), and reading them again would double what a
+    pass end costs a dataset that holds its data in memory."""
     try:
-        reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        if not isinstance(reduced, tuple) or len(reduced) < 3:
-            return None
-        rest = [list(part) if part is not None and not isinstance(part, (dict, list, tuple)) else part
-                for part in reduced[3:5]]
         buf = io.BytesIO()
-        with _pickled_by_value(_by_value_modules(obj)), submodule_scan():
-            _Pickler(buf, shared, set(), compare=False).dump((type(obj).__module__, type(obj).__qualname__, reduced[2], *rest))
+        with _pickled_by_value(_by_value_modules(obj)), submodule_scan(listed=False):
+            _Pickler(buf, shared, set(), compare=False).dump(obj)
         return buf.getvalue()
     except Exception:  # (a state cloudpickle cannot take: compare whole pickles only)
         return None
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, segments):
+    def __init__(self, file, segments, swaps=True):
         super().__init__(file)
         self._segments = segments
+        self._swaps = _pydataset_shim.SWAPS if swaps else {}
 
     def persistent_load(self, pid):
         tag, key, layout = pid
@@ -300,15 +300,52 @@ class _Unpickler(pickle.Unpickler):
         return self._segments[key].views([layout])[0]
 
     def find_class(self, module, name):
-        swap = _pydataset_shim.SWAPS.get((module, name))
+        swap = self._swaps.get((module, name))
         if swap is not None:
             return swap
         return super().find_class(module, name)
 
 
-def loads(payload, segments):
-    """Unpickles a `dumps` payload; `segments` maps shared-array keys to `Segment`s."""
-    return _Unpickler(io.BytesIO(payload), segments).load()
+def loads(payload, segments, swaps=True):
+    """Unpickles a `dumps` payload; `segments` maps shared-array keys to `Segment`s.
+    `swaps=False`: Keras's `PyDataset` stays Keras's (not the workers' stand-in)."""
+    return _Unpickler(io.BytesIO(payload), segments, swaps).load()
+
+
+class NotApart(Exception):
+    """This cloudpickle cannot unpickle a class apart from the one this process has."""
+
+
+def loads_apart(payload, segments):
+    """`loads`, in the process that pickled `payload`, without touching that process's own
+    classes: a class sent by value (defined in `__main__`, a notebook cell) is unpickled as
+    a new class holding the pickled attributes, where cloudpickle would find the class
+    this process has and set the pickled attributes on it -- rebinding its methods to
+    copies whose globals are a snapshot (the user's `ds[1]` then reads old globals). The
+    new class pickles as the original does (same tracker id), so a copy's pickle can be
+    compared with the original's. For `epoch_end_ahead`'s copy (`_ahead.py`).
+
+    Raises:
+        NotApart: this cloudpickle keeps its class tracker elsewhere.
+    """
+    module = sys.modules.get(getattr(cloudpickle.Pickler, "__module__", ""))
+    lookup = getattr(module, "_lookup_class_or_track", None)
+    by_class = getattr(module, "_DYNAMIC_CLASS_TRACKER_BY_CLASS", None)
+    lock = getattr(module, "_DYNAMIC_CLASS_TRACKER_LOCK", None)
+    if not callable(lookup) or by_class is None or lock is None:
+        raise NotApart(f"cloudpickle {cloudpickle.__version__} has no class tracker kpipe knows")
+
+    def track_apart(class_tracker_id, class_def):
+        if class_tracker_id is not None:
+            with lock:
+                by_class[class_def] = class_tracker_id  # (pickles with the original's id; never found by it)
+        return class_def
+
+    module._lookup_class_or_track = track_apart
+    try:
+        return loads(payload, segments, swaps=False)  # (a copy that pickles as the original does)
+    finally:
+        module._lookup_class_or_track = lookup
 
 
 def _find_attribute(root, target):

@@ -516,6 +516,7 @@ class ProcessBackend(WorkerSet, Backend):
             raise ValueError(f"send_state takes the shared arrays the workers hold ({self._keys}); received {sorted(keys)}")
         self._raise_if_a_worker_died()
         self._send_state_to_all(payload, keys, _wire.deadline_after(self.timeout))
+        self._sent_fingerprint = None  # (unknown: a later same_state compares payloads only)
 
     def _raise_if_a_worker_died(self):
         for p in self._active:
@@ -608,8 +609,9 @@ class ProcessBackend(WorkerSet, Backend):
                 t[2] += msg[5]
                 t[3] += msg[6]
                 self._count_setup(msg[7], self._slot_bytes)
-                if msg[8] and seq in self._tasks:  # the dataset kept memory of this slot (NOTE in _alloc.py)
-                    self._slots.pin(self._tasks[seq].slot)
+            pinned = msg[8] if kind == "done" else msg[3]
+            if pinned and seq in self._tasks:  # the dataset kept memory of this slot (NOTE in _alloc.py)
+                self._slots.pin(self._tasks[seq].slot)
             if seq in self._discarded:
                 self._discarded.discard(seq)
                 self._release_task(seq)

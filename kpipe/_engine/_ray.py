@@ -151,6 +151,7 @@ class RayBackend(Backend):
         self._segments_finalizer = weakref.finalize(self, _close_segments, self._segments)
         try:
             self._payload, _ = _pickling.dumps(target, None, what=f"`{name}`")
+            self._sent_fingerprint = _pickling.state_fingerprint(target)  # (see same_state)
             self._payload_ref = ray.put(self._payload)
             for wid in range(count):
                 self._actors.append(self._start(wid))
@@ -540,6 +541,8 @@ class RayBackend(Backend):
         payload = dumped[0] if dumped is not None else self.dump(target)[0]
         self._send_all()  # batches submitted before load under the state they were submitted under
         self._payload, self._payload_ref = payload, ray.put(payload)
+        if target is not None:
+            self._sent_fingerprint = dumped[2] if dumped is not None and len(dumped) > 2 else self.fingerprint(target)
         refs = [a.handle.set_target.remote(self._payload_ref) for a in self._actors]
         try:
             ray.get(refs, timeout=self.timeout)
@@ -562,6 +565,7 @@ class RayBackend(Backend):
             raise ValueError(f"Ray actors hold no shared arrays: send_state takes keys=[]; received {sorted(keys)}")
         self._send_all()  # batches submitted before load under the state they were submitted under
         self._payload, self._payload_ref = payload, _ray().put(payload)
+        self._sent_fingerprint = None  # (unknown: a later same_state compares payloads only)
         for actor in self._actors:
             actor.handle.set_target.remote(self._payload_ref)
 
@@ -573,10 +577,12 @@ class RayBackend(Backend):
         return self._payload, []
 
     def same_state(self, fingerprint):
-        return False
+        """Whether a target of this `fingerprint` holds the state the actors hold, though it
+        pickles to other bytes (as `ProcessBackend.same_state`)."""
+        return fingerprint is not None and fingerprint == self._sent_fingerprint
 
     def fingerprint(self, target):
-        return None
+        return _pickling.state_fingerprint(target)
 
     def _check_open(self):
         if self.closed:

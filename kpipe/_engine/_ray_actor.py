@@ -76,6 +76,8 @@ class Loader:
         for j, (key, seed) in enumerate(items):
             try:
                 outcomes.append(("ok", self._load(j, key, seed, local)))
+            except _Failed as failed:
+                outcomes.append(("error", failed.packed))
             except Exception as exc:  # SystemExit/KeyboardInterrupt end the actor
                 outcomes.append(("error", pack_exception(exc)))
         return outcomes, self.pools.refresh()  # (the dataset may have imported a library with a pool)
@@ -83,6 +85,7 @@ class Loader:
     def _load(self, j, key, seed, local):
         """Loads batch `key`, the `j`-th of this call (see `load_many`)."""
         from kpipe._engine import _alloc, _shm
+        from kpipe._engine._worker import pack_exception
 
         if self.error is not None:
             raise LoaderError(f"This Ray actor could not take the dataset's new state: {type(self.error).__name__}: "
@@ -109,19 +112,31 @@ class Loader:
         try:
             with _alloc.stacking_into():
                 out = self.target[key]
-        except BaseException:
+        except Exception as exc:
+            packed = pack_exception(exc)
+        except BaseException:  # SystemExit/KeyboardInterrupt end the actor
             if local:
                 self.free.append(slot)
             raise
+        else:
+            packed = None
         finally:
             _alloc.end()
+        if packed is not None:  # (the exception and its frames are gone: what still holds the slot, the dataset kept)
+            if local:
+                if alloc.keep_apart():  # a cache filled before the exception: never reused (NOTE in _alloc.py)
+                    self.pinned.add(slot)
+                    self.slots[slot].close()
+                else:
+                    self.free.append(slot)
+            raise _Failed(packed)
         treedef, leaves, _ = _tree.flatten(out)
         if not local:
             self.arena_allocs[j] = alloc
             return treedef, leaves, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0), None
         layout = alloc.place(leaves)
         del out, leaves
-        if alloc.kept():  # the dataset kept memory of this slot: it is never reused (NOTE in _alloc.py)
+        if alloc.keep_apart():  # the dataset kept memory of this slot: it is never reused (NOTE in _alloc.py)
             self.pinned.add(slot)
         return (treedef, None, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0),
                 (slot, segment.fd, os.getpid(), layout))
@@ -131,3 +146,11 @@ def _seed_numpy(seed):
     import numpy as np
 
     np.random.seed(seed)
+
+
+class _Failed(Exception):
+    """The dataset raised loading a batch: `packed` (`pack_exception`)."""
+
+    def __init__(self, packed):
+        super().__init__(packed["message"])
+        self.packed = packed

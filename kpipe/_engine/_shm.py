@@ -161,6 +161,21 @@ def _load_libc():
 
 _LIBC = _load_libc()
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", 0x20)
+_MAP_FIXED = 0x10  # (Linux and the BSDs)
+
+
+def _load_mremap():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mremap
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.restype = ctypes.c_void_p
+    return fn
+
+
+_MREMAP = _load_mremap() if sys.platform.startswith("linux") else None
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 
 
 class Mapping:
@@ -188,6 +203,42 @@ class Mapping:
                 raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
             self.address = addr
         self.__array_interface__ = {"data": (self.address, False), "shape": (size,), "typestr": "|u1", "version": 3}
+
+    def detach(self, keep):
+        """Gives this process private pages at this mapping's addresses, holding a copy of
+        its first `keep` bytes: arrays viewing it keep their addresses and values, but no
+        longer share the file's pages (another process writing the file is not seen here,
+        and writes here are not seen there). Returns False where that cannot be done (no
+        libc): the mapping is then unchanged.
+
+        For memory a dataset kept of a batch slot (`SlotAllocator.keep_apart` in
+        `_alloc.py`): the consumer goes on reading the batch in the file's pages while the
+        dataset writes its own copy.
+        """
+        if self._mm is not None or self.address is None or _LIBC is None:
+            return False
+        keep = min(align(keep, _PAGE), self.size)
+        prot, private = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_ANONYMOUS
+        if _MREMAP is not None:  # a copy made elsewhere, then moved onto these addresses in one call
+            fresh = _LIBC[0](None, self.size, prot, private, -1, 0)
+            if fresh is None or fresh == _MAP_FAILED:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap of {self.size} private bytes failed: {os.strerror(err)}")
+            ctypes.memmove(fresh, self.address, keep)
+            moved = _MREMAP(ctypes.c_void_p(fresh), ctypes.c_size_t(self.size), ctypes.c_size_t(self.size),
+                            ctypes.c_int(_MREMAP_MAYMOVE | _MREMAP_FIXED), ctypes.c_void_p(self.address))
+            if moved == self.address:
+                return True
+            _LIBC[1](fresh, self.size)  # (the old mapping is still in place)
+        # elsewhere: through a temporary copy, private pages mapped over the old ones
+        saved = ctypes.create_string_buffer(keep)
+        ctypes.memmove(saved, self.address, keep)
+        addr = _LIBC[0](ctypes.c_void_p(self.address), self.size, prot, private | _MAP_FIXED, -1, 0)
+        if addr != self.address:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap over {self.size} mapped bytes failed: {os.strerror(err)}")
+        ctypes.memmove(self.address, saved, keep)
+        return True
 
     def madvise(self, advice, start=0, length=None):
         """Raises OSError if the kernel refuses `advice`."""
@@ -333,6 +384,14 @@ class Segment:
     def address(self):
         return None if self._map_obj is None else self._map_obj.address
 
+    def forget_mapping(self):
+        """Drops this process's current mapping (arrays viewing it keep it); the next
+        `reserve`/`views` maps the file again (it needs the descriptor)."""
+        self._map_obj = None
+        self._buf = None
+        self._mapped = 0
+        self._populated = 0
+
     def mapping_ref(self):
         """A weak reference to the current `Mapping` (None if unmapped): alive as long as
         this segment or any array viewing it is."""
@@ -384,10 +443,7 @@ class Segment:
     def close(self):
         """Drops this process's mapping reference and file descriptor. Arrays still
         viewing the mapping keep it (not the descriptor) until they die."""
-        self._map_obj = None
-        self._buf = None
-        self._mapped = 0
-        self._populated = 0
+        self.forget_mapping()
         self.close_fd()
 
 

@@ -49,6 +49,7 @@ class _Index:
         self.count = -1
         self.by_prefix = {}
         self.by_code = {}  # (code, prefix): the names of by_prefix[prefix] that code reaches
+        self.left_out = False  # list none (`submodule_scan(listed=False)`)
 
     def refresh(self):
         """Drops the lists if `sys.modules` no longer holds the same names."""
@@ -70,6 +71,8 @@ class _Index:
     def find_imported_submodules(self, code, top_level_dependencies):
         """cloudpickle's `_find_imported_submodules(code, top_level_dependencies)`."""
         subimports = []
+        if self.left_out:
+            return subimports
         for x in top_level_dependencies:
             if isinstance(x, types.ModuleType) and getattr(x, "__package__", None):
                 prefix = x.__name__ + "."
@@ -93,8 +96,12 @@ _depth = 0
 
 
 @contextlib.contextmanager
-def submodule_scan():
-    """Pickles inside this block search submodules through the index (see above)."""
+def submodule_scan(listed=True):
+    """Pickles inside this block search submodules through the index (see above).
+    `listed=False`: they list none -- for a pickle compared with another of the same
+    object (`_pickling.state_fingerprint`), not one sent to a worker: which submodules are
+    loaded is this process's history, not the object's state. (Where cloudpickle has no
+    such search, they list what cloudpickle lists.)"""
     global _depth
     namespace = _cloudpickle_globals()
     if namespace is None:
@@ -106,9 +113,11 @@ def submodule_scan():
             original = namespace[_NAME]
             namespace[_NAME] = _INDEX.find_imported_submodules
         _depth += 1
+        left_out, _INDEX.left_out = _INDEX.left_out, not listed
         try:
             yield
         finally:
+            _INDEX.left_out = left_out
             _depth -= 1
             if _depth == 0:
                 namespace[_NAME] = original

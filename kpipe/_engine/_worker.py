@@ -14,7 +14,7 @@ Protocol (main -> worker, over one Unix socket, after `init`):
   ("stop",)
 worker -> main:
   ("ready", pid) | ("init-error", exc) | ("done", seq, treedef, layout, busy_s, cpu_s, runq_s, setup_s, pinned)
-  ("error", seq, exc) | ("state-ok",) | ("prepared", slot, setup_s) | ("threads", report)
+  ("error", seq, exc, pinned) | ("state-ok",) | ("prepared", slot, setup_s) | ("threads", report)
 
 Thread budget: `cfg["threads"]` (and `("threads", n)` later) is how many threads the
 worker's native pools (BLAS, OpenMP, OpenCV, TensorFlow) may use; the worker sets the
@@ -90,6 +90,15 @@ def pack_exception(exc):
         "message": str(exc),
         "traceback": tb,
     }
+
+
+class TaskError(Exception):
+    """The dataset raised while loading a batch: `packed` (`pack_exception`), and whether
+    it kept memory of the batch's slot all the same (`pinned`)."""
+
+    def __init__(self, packed, pinned):
+        super().__init__(packed["message"])
+        self.packed, self.pinned = packed, pinned
 
 
 class _KeyErrorMessage(str):
@@ -257,10 +266,16 @@ class _Worker:
     def run_task(self, seq, key, out_slot, inputs):
         """Loads one batch into `out_slot`; returns `(treedef, layout, timings)`,
         timings = (wall, CPU, run-queue, slot set-up) seconds and whether the dataset kept
-        memory of the slot (`pinned`)."""
+        memory of the slot (`pinned`).
+
+        Raises:
+            TaskError: the dataset raised; `.packed` is the exception as data, `.pinned`
+                whether it kept memory of the slot all the same (a cache filled first).
+        """
         t0, cpu0, q0, s0 = time.perf_counter(), time.process_time(), self.runq(), setup_seconds()
         segment = self.slots[out_slot]
         alloc = _alloc.begin(segment)  # kpipe.empty() and big np.stack results now allocate in this slot
+        packed = None
         try:
             if self.mode == "dataset":
                 with _alloc.stacking_into():
@@ -268,12 +283,16 @@ class _Worker:
             else:
                 in_slot, in_treedef, in_layout = inputs
                 out = self.target(_tree.unflatten(in_treedef, self.slots[in_slot].views(in_layout, writable=True)))
+        except Exception as exc:  # SystemExit/KeyboardInterrupt end the worker
+            packed = pack_exception(exc)
         finally:
             _alloc.end()
+        if packed is not None:  # (the exception, its traceback and their frames are gone by now)
+            raise TaskError(packed, alloc.keep_apart())
         treedef, leaves, _ = _tree.flatten(out)
         layout = alloc.place(leaves)
         del out, leaves
-        pinned = alloc.kept()  # the dataset kept memory of this slot: never reuse it (NOTE in _alloc.py)
+        pinned = alloc.keep_apart()  # the dataset kept memory of this slot: never reuse it (NOTE in _alloc.py)
         return treedef, layout, (time.perf_counter() - t0, time.process_time() - cpu0, self.runq() - q0,
                                  setup_seconds() - s0, pinned)
 
@@ -294,8 +313,10 @@ class _Worker:
                     np.random.seed(seed)
                 try:
                     treedef, layout, timings = self.run_task(seq, key, out_slot, inputs)
-                except Exception as exc:  # SystemExit/KeyboardInterrupt end the worker
-                    conn.send(("error", seq, pack_exception(exc)))
+                except TaskError as failed:
+                    conn.send(("error", seq, failed.packed, failed.pinned))
+                except Exception as exc:  # (kpipe's own part failed, e.g. out of memory for the slot)
+                    conn.send(("error", seq, pack_exception(exc), False))
                 else:
                     conn.send(("done", seq, treedef, layout) + timings)
             elif kind == "prepare":
