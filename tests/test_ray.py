@@ -855,3 +855,21 @@ def test_jumps_discard_batches_of_shared_calls_and_their_slots_come_back(cluster
     assert max(calls) > 1 and stats["discards"] > 0
     if where == "this node":  # discarded batches' slots were released and reused: not 7 more a jump
         assert slots <= 2 * loader.max_queue_size + 2  # (those in flight, and the discarded ones still loading)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 4, 14])
+@pytest.mark.parametrize("where", ["here", "tagged"])
+def test_generated_datasets_give_through_actors_what_they_give_serially(cluster, tmp_path, seed, where):
+    """The differential suite's cases (tests/test_differential.py) through Ray actors: in
+    shared-memory slots on this node (kept slot memory, pass-end checks) and through the
+    object store on the other nodes."""
+    from _differential import describe, normalise_errors, run_loader, run_serial, serial_errors, spec
+    from test_differential import _memmap_file
+
+    s = spec(seed)
+    path = _memmap_file(tmp_path)
+    want = serial_errors(run_serial(s, path)[0])
+    workers = kpipe.RayWorkers(2, resources=HERE if where == "here" else TAGGED)
+    (passes, held), _ = run_loader(s, path, workers=workers)
+    assert normalise_errors(passes) == want, describe(s)
+    assert all(held), describe(s)
