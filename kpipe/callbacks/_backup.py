@@ -73,11 +73,13 @@ from typing import Dict, List, Optional, Sequence
 import keras
 import numpy as np
 
-from kpipe import _stream
+from kpipe import _fit_scope, _keras_hook, _stream
 from kpipe._keras_hook import keras_iterator
+from kpipe.callbacks import _backup_input, _backup_state
 from kpipe.distribute._chief import per_worker_path
 
 logger = logging.getLogger("kpipe.callbacks")
+_keras_hook.install_fit_wrappers()  # fit()'s end runs _release, however it ends (kpipe/_fit_scope.py)
 
 _FORMAT = 2
 _STATE_FILE = "state.weights.h5"
@@ -194,10 +196,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._consumed = 0  # batches this fit() took from the loaders
         self._origins = []  # where each loader's reading began in this fit()
         self._skip = 0
+        self._read_skipped = False  # skipped steps read their batch (see _backup_input.py)
         self._align = None  # [(loader, Keras step count)] to set at the first step of a resumed run
 
     # ------------------------------------------------------------------ Keras hooks
     def on_train_begin(self, logs=None):
+        self._release()  # what a fit() that kpipe did not see end left behind
+        _fit_scope.at_exit(self.model, self._release)  # however this fit() ends
         self._reset_run()
         if self._kind == "step" and _steps_per_execution(self.model) > 1:
             raise ValueError(
@@ -206,6 +211,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"{_steps_per_execution(self.model)}. Compile with steps_per_execution=1 or "
                 "use save_freq='epoch'.")
         self._check_keras_restarts_passes()
+        self._check_input()
         strategy = self.model.distribute_strategy
         workers = _num_workers(strategy)
         self._retain = max(self.keep, 2) if workers > 1 else self.keep
@@ -216,8 +222,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.restored_step = 0
         if index == 0:
             self._origins = [_head(loader) for loader in self.loaders]
-            logger.info("BackupAndRestore: no backup held by every worker in %s; "
-                        "training from the start.", self.backup_dir)
+            self._log_fresh_start()
             return
         metadata = local[index]
         self._restore(strategy, index, metadata)
@@ -257,18 +262,42 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save(epoch + 1)
 
     def on_train_end(self, logs=None):
-        if self._gate is not None:
-            if self.model.train_function is self._gate:
-                self.model.train_function = self._gate.original
-            self._gate = None
-        if self._set_initial_epoch:  # Keras never resets it: the next fit() would skip epochs
-            self.model._initial_epoch = None  # noqa: SLF001
-            self._set_initial_epoch = False
+        self._release()
         for index in _backup_dirs(self.worker_dir, self._kind):
             _remove_backup(self._dir(index))
         _rmdir_if_empty(self.worker_dir)
         if self.backup_dir != self.worker_dir:  # the others' worker dirs may still be there
             _rmdir_if_empty(self.backup_dir)
+
+    def _release(self):
+        """Hands the model back as fit() found it: its train function unwrapped, its
+        initial epoch unset (Keras never resets it: the next fit() would skip epochs)."""
+        self._gate = None
+        while isinstance(getattr(self.model, "train_function", None), _StepGate):
+            self.model.train_function = self.model.train_function.original  # gates come at batch 0
+        if self._set_initial_epoch:
+            self.model._initial_epoch = None  # noqa: SLF001
+            self._set_initial_epoch = False
+
+    def _check_input(self):
+        """Refuses backups inside an epoch of an input they cannot position (NOTE in
+        `_backup_input.py`); notes whether skipped steps must read their batch."""
+        steps = self.params.get("steps") if self.params else None
+        if self._kind == "step" and steps and self.save_freq % int(steps):
+            mode = _backup_input.resume_mode(self.model, self.save_freq, int(steps), self.loaders)
+            self._read_skipped = mode == _backup_input.READ_THROUGH
+
+    def _log_fresh_start(self):
+        done = _optimizer_step(self.model) or 0
+        if done:
+            logger.warning(
+                "BackupAndRestore: no backup held by every worker in %s; training goes on "
+                "from the model kept in memory (%d optimizer steps done: an interrupted fit() "
+                "in this process trained them), not from the start. Build and compile the "
+                "model again to start over.", self.backup_dir, done)
+        else:
+            logger.info("BackupAndRestore: no backup held by every worker in %s; "
+                        "training from the start.", self.backup_dir)
 
     def _check_keras_restarts_passes(self):
         """Keras < 3.7 never restarts a finite input when `steps_per_epoch` is shorter than
@@ -301,6 +330,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "batch": self._batch,
             "step": self._step,
             "optimizer_step": _optimizer_step(self.model),
+            "random": _backup_state.random_state(self.model),
             "files": files,
             "loaders": [_loader_state(loader, origin, self._consumed) for loader, origin in zip(self.loaders, self._origins)],
             "keras_steps_seen": [_keras_steps_seen(loader) for loader in self.loaders],
@@ -363,6 +393,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             with strategy.scope():  # slot variables must be created as mirrored ones
                 optimizer.build(self.model.trainable_variables)
         self.model.load_weights(os.path.join(self._dir(index), _STATE_FILE))
+        _backup_state.restore_random_state(self.model, metadata.get("random"), self._dir(index))
         step = _optimizer_step(self.model)
         if metadata.get("optimizer_step") is not None and step != metadata["optimizer_step"]:
             logger.warning("BackupAndRestore: backup %s was saved at optimizer step %s but "
@@ -399,6 +430,8 @@ class _StepGate:
         if cb._skip > 0:  # noqa: SLF001
             cb._skip -= 1  # noqa: SLF001
             self.last_was_real = False
+            if cb._read_skipped:  # noqa: SLF001 -- unshuffled arrays: drop the trained batch
+                next(iterator)
             return _metrics_so_far(cb.model)
         self.last_was_real = True
         cb._consumed += 1  # noqa: SLF001
