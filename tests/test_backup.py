@@ -468,3 +468,13 @@ def test_retry_before_any_backup_logs_that_training_goes_on_from_memory(tmp_path
     with caplog.at_level("INFO", logger="kpipe.callbacks"):
         _model().fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0, callbacks=[backup])
     assert "training from the start" in " ".join(r.getMessage() for r in caplog.records)
+
+
+def test_a_fit_looked_up_before_kpipe_wrapped_it_is_still_checked(tmp_path):
+    # `model.fit(x, callbacks=[kpipe.callbacks.BackupAndRestore(...)])` as the first kpipe
+    # name of a process resolves `fit` before kpipe's wrapper exists: the refusal holds.
+    model = _model()
+    unwrapped = type(model).fit.__wrapped__
+    with pytest.raises(ValueError, match=r"Received: x=<numpy.ndarray>, shuffle=True.*shuffle=False"):
+        unwrapped(model, Batches().x, Batches().y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[BackupAndRestore(str(tmp_path), save_freq=5)])

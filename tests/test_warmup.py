@@ -198,3 +198,15 @@ def test_warmup_with_backup_resumes_the_ramp_at_the_trained_step(rate, warmup_fi
     _fit(model, *made, resumed, epochs=3)  # the same callbacks, retried in this process
     assert resumed.rates == {t: full.rates[t] for t in range(4, 12)}
     assert np.array_equal(model.get_weights()[0], reference.get_weights()[0])
+
+
+def test_a_retry_of_a_fit_kpipe_did_not_see_end_still_ramps_to_the_compiled_rate():
+    # A `fit` looked up before kpipe wrapped it runs no clean-up when it raises: the
+    # same Warmup hands the rate back when the next fit() sets the model.
+    model = _model(0.4)
+    warmup = Warmup(steps=8, initial_lr=0.1)
+    x = np.ones((2 * STEPS_PER_EPOCH, 1), "float32")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        type(model).fit.__wrapped__(model, x, np.zeros_like(x), batch_size=2, epochs=2, shuffle=False,
+                                    verbose=0, callbacks=[warmup, _Crash(3)])
+    assert _fit(model, warmup) == pytest.approx(_ramp(8, 0.1, 0.4)[3:] + [0.4] * 3)

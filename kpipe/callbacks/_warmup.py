@@ -81,7 +81,8 @@ class Warmup(keras.callbacks.Callback):
         self._user_schedule = None  # the optimizer's schedule while we wrap it
         self._wrapper = None  # what wraps it
         self._start_rate = None  # the optimizer's rate when fit() set the model
-        self._variable_mode = self._ramping = False
+        self._variable_mode = self._ramping = self._reads_step = False
+        self._step = None  # optimizer step of the next batch (see on_train_begin)
         self._handed_back = True
 
     # -- the plan --------------------------------------------------------------------
@@ -148,6 +149,11 @@ class Warmup(keras.callbacks.Callback):
         steps, initial, target = self._plan
         self._variable_mode = isinstance(lr, keras.Variable) or not callable(lr)
         self._ramping, self._handed_back = self._variable_mode, False
+        # In Keras's fit() the step about to run is the optimizer's count, which the steps
+        # BackupAndRestore skips do not advance: read it before each step of the ramp.
+        # kpipe.distribute.ps_fit calls back before scheduling a step while others are
+        # still in flight (not counted yet): there, count the steps from the first one.
+        self._step, self._reads_step = None, _fit_scope.current(self.model) is not None
         if not self._variable_mode:
             self._user_schedule = lr
             with self.model.distribute_strategy.scope():
@@ -167,12 +173,16 @@ class Warmup(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if not self._ramping:
             return
-        # The optimizer's own count: steps that BackupAndRestore skips do not advance it.
-        step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        if self._step is None or self._reads_step:
+            self._step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
         steps, initial, target = self._plan
-        if step <= steps:
-            self.model.optimizer.learning_rate = _ramp(step, steps, initial, target)
-        self._ramping = step < steps
+        if self._step <= steps:
+            self.model.optimizer.learning_rate = _ramp(self._step, steps, initial, target)
+        self._ramping = self._step < steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._step is not None:
+            self._step += int(getattr(self.model, "steps_per_execution", 1) or 1)
 
     def on_train_end(self, logs=None):
         self._hand_back()
