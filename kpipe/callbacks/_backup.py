@@ -15,8 +15,10 @@ crash-consistent:
       worker-0/                  per_worker_path(backup_dir), stable across restarts
         epoch-000002/            save_freq="epoch": epochs completed
         (step-000000040/)        save_freq=N: the 40th save, after 40*N training steps
-          state.weights.h5       model weights + optimizer variables (`iterations` too)
-          metadata.json          written LAST: temp file, fsync, os.replace, fsync dir
+          state.weights.h5       model weights + optimizer variables (`iterations`, the
+                                 learning-rate variable and slots too)
+          metadata.json          written LAST: temp file, fsync, os.replace, fsync dir;
+                                 also the states of the model's random seed generators
       worker-1/ ...
 
 Saving backup k: remove its old `metadata.json` if any, write and fsync the files, then
@@ -24,7 +26,9 @@ commit the metadata atomically. A backup is *complete* when its metadata parses,
 k and lists files that exist with the recorded sizes; a crash at any point leaves it
 incomplete, never half-valid. The metadata records where training stands: the Keras
 epoch to resume and the steps already done in it, the training steps done in all, and
-the state (`loader.state()`) of each of `loaders` at the first batch not yet trained on.
+the state (`loader.state()`) of each of `loaders` at the first batch not yet trained on,
+and the state of every `keras.random.SeedGenerator` of the model (Dropout, GaussianNoise,
+SpatialDropout, RandomFlip, ...: not in `model.weights`, see `_backup_state.py`).
 
 Resuming (`on_train_begin`): each worker lists its complete backups as a 0/1 vector over
 `0..K` (K: the last save `fit()` can make; 0, "nothing trained", is always held) and
@@ -50,7 +54,9 @@ step numbers, progress bar, `steps_per_epoch` and callbacks' epoch and batch ind
 then those of the uninterrupted run (the resumed epoch's logged metrics cover the steps
 trained after the resume), and so are the batches: a loader's stream starts at its
 restored position and the first real step trains on exactly the batch the interrupted
-run would have trained on next.
+run would have trained on next. Unshuffled NumPy arrays have no loader: their skipped
+steps read their batch and drop it instead. Inputs that neither can position are refused
+when backups can fall inside an epoch (NOTE in `_backup_input.py`).
 
 One detail of Keras: with `steps_per_epoch` set, its epoch iterator counts the steps
 taken from the current pass (`_steps_seen`) to end an epoch early where a pass ends; a
@@ -94,6 +100,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     A crash-consistent replacement for `keras.callbacks.BackupAndRestore`, for one process
     as for `MultiWorkerMirroredStrategy` jobs. After each epoch (or every `save_freq`
     training steps) every worker writes the model weights, optimizer variables, the
+    states of the model's random seed generators (Dropout's, GaussianNoise's, ...), the
     position of its `loaders` and the epoch/step counters to files of its own under its
     own directory (`kpipe.distribute.per_worker_path(backup_dir)`), committing each backup
     with a small metadata file written last by atomic rename, and keeps the last `keep`
@@ -123,7 +130,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             multi-worker training at least 2 are kept (see the NOTE). Defaults to 2.
         loaders: The `kpipe.ProcessLoader` given to `fit()` (or a sequence of them), to
             put back on the resumed position; pass the same ones in the relaunched run.
-            Without it, the input restarts wherever it starts. Defaults to `None`.
+            Without it, the input restarts wherever it starts; with `save_freq=N`,
+            `fit()` then refuses inputs other than unshuffled NumPy arrays (see below).
+            Defaults to `None`.
 
     Attributes:
         worker_dir: This worker's directory.
@@ -137,9 +146,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         TypeError: An item of `loaders` has no `state`/`restore` methods.
 
     `fit()` raises `ValueError` if a backup being restored recorded a different number of
-    loaders or other data (see `ProcessLoader.restore`), if a backup was written by an
-    incompatible kpipe, and with `save_freq=N` if `steps_per_execution > 1` or the steps
-    per epoch are unknown.
+    loaders or other data (see `ProcessLoader.restore`) or other random layers, if a
+    backup was written by an incompatible kpipe, and with `save_freq=N` if
+    `steps_per_execution > 1`, the steps per epoch are unknown, or backups can fall inside
+    an epoch of an input they cannot position there (shuffled arrays, arrays with
+    `steps_per_epoch`, a `tf.data.Dataset`, a generator, a `PyDataset` or `ProcessLoader`
+    not in `loaders`): the message says how (`loaders=`, `shuffle=False`, or
+    `save_freq="epoch"`). A same-process retry that finds no backup goes on from the
+    model kept in memory and logs so (a warning).
 
     Example:
 

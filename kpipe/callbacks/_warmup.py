@@ -12,8 +12,9 @@ _keras_hook.install_fit_wrappers()  # fit()'s end runs _hand_back, however it en
 class Warmup(keras.callbacks.Callback):
     """Raises the learning rate linearly to its target over the first steps, then hands over.
 
-    During warmup, optimizer step `t` (counted by `optimizer.iterations`, so training
-    resumed by `BackupAndRestore` continues where it stopped) uses
+    During warmup, optimizer step `t` (counted by `optimizer.iterations`: the steps
+    `BackupAndRestore` skips in a resumed epoch do not count, and training resumed from a
+    backup continues the ramp where it stopped, whatever the order of the callbacks) uses
 
         lr(t) = initial_lr + (target_lr - initial_lr) * t / T,    0 <= t < T,
 
@@ -30,7 +31,15 @@ class Warmup(keras.callbacks.Callback):
       once per execution.
     * a `LearningRateSchedule`, or a zero-argument callable: it is wrapped, for the
       duration of `fit()`, in one that computes the ramp inside the compiled step and
-      calls yours from step `T` on.
+      calls yours from step `T` on. When `fit()` ends, the optimizer gets yours back and
+      the wrapper in the step compiled with it calls yours alone: a later `fit()` does
+      not ramp.
+
+    `fit()` ending by an exception (a crash, Ctrl-C) hands the rate back the same way,
+    so a retry in the same process ramps to the same target. (A `fit` looked up before
+    kpipe's callbacks were imported, as in `model.fit(x, callbacks=[kpipe.callbacks.
+    Warmup(...)])` first thing in a process, is not seen ending: the same `Warmup` then
+    hands back when the next `fit()` starts.)
 
     One instance serves one model; do not share it across threads.
 
@@ -42,7 +51,9 @@ class Warmup(keras.callbacks.Callback):
             strategy's `num_replicas_in_sync`, the rate before linear scaling when the
             per-replica batch is the base batch (equal to `target_lr` on one device).
         target_lr: Rate reached at step `T`. Defaults to `None`: the optimizer's rate
-            when training starts (a schedule's value at step `T`).
+            when `fit()` starts -- read as Keras sets up the callbacks, before a
+            `BackupAndRestore` restores a rate from the middle of the ramp -- or a
+            schedule's value at step `T`.
         verbose: 1 prints the warmup plan when training starts. Defaults to 0.
 
     Raises:
