@@ -48,8 +48,9 @@ def resume_mode(model, save_freq: int, steps: Optional[int], loaders: Sequence) 
     if call is not None and _is_loader(x):
         if any(x is loader for loader in loaders):
             return POSITIONED
-        fix = (f"it is not in `loaders`, so its position is not saved. Pass it as "
-               f"BackupAndRestore(..., loaders=loader)")
+        fix = ("it is not in `loaders`, so its position is not saved. Pass it as "
+               "BackupAndRestore(..., loaders=loader) (kpipe.fit_generator makes a loader of "
+               "its own: call fit() with a kpipe.ProcessLoader instead)")
         return _refuse(save_freq, steps, f"a kpipe.ProcessLoader ({_describe(x)})", fix)
     if call is not None and _is_arrays(x, arguments):
         if arguments.get("shuffle"):
