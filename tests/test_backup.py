@@ -463,7 +463,8 @@ def test_retry_before_any_backup_logs_that_training_goes_on_from_memory(tmp_path
         model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=2, verbose=0, callbacks=[backup])
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "training from the start" not in text
-    assert "3 optimizer steps" in text and "kept in memory" in text
+    assert "3 optimizer steps" in text and "kept in memory" in text and "interrupted fit()" in text
+    assert [r.levelname for r in caplog.records if "kept in memory" in r.getMessage()] == ["WARNING"]
     caplog.clear()
     with caplog.at_level("INFO", logger="kpipe.callbacks"):
         _model().fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0, callbacks=[backup])
@@ -478,3 +479,40 @@ def test_a_fit_looked_up_before_kpipe_wrapped_it_is_still_checked(tmp_path):
     with pytest.raises(ValueError, match=r"Received: x=<numpy.ndarray>, shuffle=True.*shuffle=False"):
         unwrapped(model, Batches().x, Batches().y, batch_size=BATCH, epochs=1, verbose=0,
                   callbacks=[BackupAndRestore(str(tmp_path), save_freq=5)])
+
+
+class _Noisy(keras.layers.Layer):
+    """A user's layer with a seed generator of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.random.SeedGenerator(11)
+
+    def call(self, x, training=False):
+        return x + keras.random.normal(keras.ops.shape(x), stddev=0.1, seed=self.generator) if training else x
+
+
+def _random_model(extra=True):
+    inputs = keras.Input((4,))
+    hidden = _Noisy()(keras.layers.Dropout(0.5, seed=1)(inputs))
+    if extra:
+        hidden = keras.layers.GaussianNoise(0.1, seed=2)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.generator = keras.random.SeedGenerator(5)  # one the model owns
+    return model
+
+
+def test_seed_generators_of_layers_nested_ones_and_the_model_are_all_saved(tmp_path):
+    from kpipe.callbacks import _backup_state
+
+    model = _random_model()
+    assert len(_backup_state.seed_generators(model)) == 4
+    saved = _backup_state.random_state(model)
+    for generator in _backup_state.seed_generators(model):
+        generator.next()
+    assert _backup_state.random_state(model) != saved
+    _backup_state.restore_random_state(model, saved, str(tmp_path))
+    assert _backup_state.random_state(model) == saved
+    with pytest.raises(ValueError, match=r"recorded 4 random seed generator state\(s\).*model has 3.*"
+                                         r"Build the same model.*delete the backup"):
+        _backup_state.restore_random_state(_random_model(extra=False), saved, str(tmp_path))

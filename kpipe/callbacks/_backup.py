@@ -201,6 +201,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._retain = keep
         self._set_initial_epoch = False
         self._gate = None
+        self._running = False  # between on_train_begin and on_train_end
         self._reset_run()
 
     def _reset_run(self):
@@ -217,6 +218,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._release()  # what a fit() that kpipe did not see end left behind
         _fit_scope.at_exit(self.model, self._release)  # however this fit() ends
+        interrupted, self._running = self._running, True
         self._reset_run()
         if self._kind == "step" and _steps_per_execution(self.model) > 1:
             raise ValueError(
@@ -236,7 +238,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.restored_step = 0
         if index == 0:
             self._origins = [_head(loader) for loader in self.loaders]
-            self._log_fresh_start()
+            self._log_fresh_start(interrupted)
             return
         metadata = local[index]
         self._restore(strategy, index, metadata)
@@ -277,6 +279,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._release()
+        self._running = False
         for index in _backup_dirs(self.worker_dir, self._kind):
             _remove_backup(self._dir(index))
         _rmdir_if_empty(self.worker_dir)
@@ -301,14 +304,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             mode = _backup_input.resume_mode(self.model, self.save_freq, int(steps), self.loaders)
             self._read_skipped = mode == _backup_input.READ_THROUGH
 
-    def _log_fresh_start(self):
+    def _log_fresh_start(self, interrupted: bool):
         done = _optimizer_step(self.model) or 0
         if done:
-            logger.warning(
-                "BackupAndRestore: no backup held by every worker in %s; training goes on "
-                "from the model kept in memory (%d optimizer steps done: an interrupted fit() "
-                "in this process trained them), not from the start. Build and compile the "
-                "model again to start over.", self.backup_dir, done)
+            log = logger.warning if interrupted else logger.info
+            log("BackupAndRestore: no backup held by every worker in %s; training goes on from "
+                "the model kept in memory (%d optimizer steps done%s), not from the start.",
+                self.backup_dir, done, ": the interrupted fit() in this process trained them. "
+                "Build and compile the model again to start over" if interrupted else "")
         else:
             logger.info("BackupAndRestore: no backup held by every worker in %s; "
                         "training from the start.", self.backup_dir)
