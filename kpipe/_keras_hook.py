@@ -153,9 +153,10 @@ def install_fit_wrappers():
 
 def _plan_calls():
     """Wraps the TensorFlow trainer's `fit`/`evaluate`/`predict`: a `fit` runs inside
-    `kpipe._fit_scope.running`, and while one runs, the adapters Keras builds for its ProcessLoaders (training and validation data) learn how
-    many Keras epochs the call will run and how many steps each, so that a loader reads
-    nothing ahead for an epoch the call will not run (its last epoch ends there)."""
+    `kpipe._fit_scope.running`, and while one runs, the adapters Keras builds for its
+    ProcessLoaders (training and validation data) learn how many Keras epochs the call
+    will run and how many steps each, so that a loader reads nothing ahead for an epoch
+    the call will not run (its last epoch ends there)."""
     try:
         from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     except ImportError:
