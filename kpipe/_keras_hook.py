@@ -39,12 +39,13 @@ With a Keras lacking this module layout the hooks are not installed; a ProcessLo
 then still works (random access), but Keras's epoch ends reach `on_epoch_end`.
 """
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import weakref
 
-from kpipe import _stream
+from kpipe import _fit_scope, _stream
 from kpipe.errors import LoaderClosedError
 
 # {id(loader): (runs, steps, each_a_call)} for the loaders of the Keras call running in this context
@@ -144,11 +145,18 @@ def _plan_for(loader):
     return plans.get(id(loader)) if plans else None
 
 
+def install_fit_wrappers():
+    """Installs the wrappers of `fit`/`evaluate`/`predict` alone (idempotent): kpipe's
+    callbacks need them (`kpipe._fit_scope`) whatever the input."""
+    _plan_calls()
+
+
 def _plan_calls():
-    """Wraps the TensorFlow trainer's `fit`/`evaluate`/`predict`: while one runs, the
-    adapters Keras builds for its ProcessLoaders (training and validation data) learn how
-    many Keras epochs the call will run and how many steps each, so that a loader reads
-    nothing ahead for an epoch the call will not run (its last epoch ends there)."""
+    """Wraps the TensorFlow trainer's `fit`/`evaluate`/`predict`: a `fit` runs inside
+    `kpipe._fit_scope.running`, and while one runs, the adapters Keras builds for its
+    ProcessLoaders (training and validation data) learn how many Keras epochs the call
+    will run and how many steps each, so that a loader reads nothing ahead for an epoch
+    the call will not run (its last epoch ends there)."""
     try:
         from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     except ImportError:
@@ -172,14 +180,16 @@ def _planned(name, original):
         except TypeError:  # Keras raises its own error
             return original(self, *args, **kwargs)
         bound.apply_defaults()
-        plans = _call_plans(name, self, bound.arguments)
-        if not plans:
-            return original(self, *args, **kwargs)
-        token = _PLANS.set(plans)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _PLANS.reset(token)
+        scope = _fit_scope.running(self, bound.arguments) if name == "fit" else contextlib.nullcontext()
+        with scope:  # callbacks' clean-ups run however fit() ends (kpipe/_fit_scope.py)
+            plans = _call_plans(name, self, bound.arguments)
+            if not plans:
+                return original(self, *args, **kwargs)
+            token = _PLANS.set(plans)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _PLANS.reset(token)
 
     call._kpipe_wrapped = True
     return call

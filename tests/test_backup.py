@@ -342,3 +342,177 @@ def test_mid_pass_backups_need_a_keras_that_restarts_passes(tmp_path, no_leaks):
         with pytest.raises(RuntimeError, match=r"steps_per_epoch=3 \(the loader has 8 batches per pass\) needs Keras >= 3.7"):
             _model().fit(loader, epochs=1, steps_per_epoch=3, verbose=0,
                          callbacks=[BackupAndRestore(str(tmp_path), save_freq=2, loaders=loader)])
+
+
+# ---------------------------------------------------------------- exact resume (issue 52)
+import subprocess  # noqa: E402
+
+import resume_cases  # noqa: E402 (tests/programs)
+
+
+def _close(data):
+    getattr(data, "close", lambda: None)()
+
+
+@pytest.fixture(scope="module")
+def full_runs():
+    return {name: resume_cases.full(name) for name in resume_cases.CASES}
+
+
+def _assert_resumed_like(full, weights, rates, restored_step):
+    want_weights, want_rates = full
+    assert len(weights) == len(want_weights)
+    for got, want in zip(weights, want_weights):
+        assert np.array_equal(got, want)
+    # the steps trained after the resume applied the rates of the uninterrupted run
+    assert sorted(rates) == [s for s in sorted(want_rates) if s >= restored_step]
+    assert rates == {s: want_rates[s] for s in rates}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(resume_cases.CASES))
+def test_same_process_retry_ends_bit_identical(name, full_runs, tmp_path, no_leaks):
+    # Random layers' seed generators, the optimizer's state and Warmup (either side of the
+    # backup callback) resume where the backup was taken; the model and callbacks are reused.
+    model, data, made = resume_cases.crash(name, str(tmp_path / "backup"))
+    try:
+        weights, rates = resume_cases.run(name, model, data, made)
+    finally:
+        _close(data)
+    backup = next(cb for cb in made if isinstance(cb, BackupAndRestore))
+    assert backup.restored_step == (8 if resume_cases.CASES[name][1] == "epoch" else 10)
+    _assert_resumed_like(full_runs[name], weights, rates, backup.restored_step)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_relaunched_process_ends_bit_identical(tmp_path):
+    program = os.path.join(PROGRAMS, "resume_cases.py")
+    for phase in ("first", "resume"):
+        result = subprocess.run([sys.executable, program, "--dir", str(tmp_path), "--phase", phase],
+                                env={**os.environ, **ENV}, capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for name, (_, save_freq, _, _) in resume_cases.CASES.items():
+        full = resume_cases.load(str(tmp_path / "full" / f"{name}.npz"))
+        weights, rates = resume_cases.load(str(tmp_path / "resumed" / f"{name}.npz"))
+        _assert_resumed_like(full, weights, rates, 8 if save_freq == "epoch" else 10)
+
+
+def _unpositioned_input(kind):
+    """(fit arguments, fit keyword arguments) of an input the backup cannot position."""
+    import tensorflow as tf
+
+    x, y = Batches().x, Batches().y
+    if kind == "shuffled-arrays":
+        return (x, y), {"batch_size": BATCH}
+    if kind == "arrays-steps-per-epoch":
+        return (x, y), {"batch_size": BATCH, "shuffle": False, "steps_per_epoch": 3}
+    if kind == "tf-data":
+        return (tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),), {}
+    if kind == "generator":
+        def batches():
+            while True:
+                yield from (Batches()[i] for i in range(len(Batches())))
+        return (batches(),), {"steps_per_epoch": len(Batches())}
+    if kind == "pydataset":
+        class Plain(keras.utils.PyDataset):
+            def __len__(self):
+                return len(Batches())
+
+            def __getitem__(self, i):
+                return Batches()[i]
+        return (Plain(),), {}
+    raise AssertionError(kind)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind, fix", [
+    ("shuffled-arrays", "shuffle=False"), ("arrays-steps-per-epoch", "Leave steps_per_epoch unset"),
+    ("tf-data", "loaders="), ("generator", "loaders="), ("pydataset", "loaders=")])
+def test_mid_epoch_backups_refuse_an_input_they_cannot_position(kind, fix, tmp_path):
+    args, kwargs = _unpositioned_input(kind)
+    with pytest.raises(ValueError) as info:
+        _model().fit(*args, epochs=2, verbose=0, **kwargs,
+                     callbacks=[BackupAndRestore(str(tmp_path), save_freq=5)])
+    message = str(info.value)
+    for fragment in ("BackupAndRestore(save_freq=5)", "Received:", fix, "save_freq='epoch'"):
+        assert fragment in message
+    assert not os.path.exists(tmp_path / "step-000000001")
+    # Backups that fall on epoch ends only resume at an epoch start: not refused.
+    per_epoch = kwargs.get("steps_per_epoch") or len(Batches())
+    _model().fit(*args, epochs=2, verbose=0, **kwargs,
+                 callbacks=[BackupAndRestore(str(tmp_path / "ends"), save_freq=per_epoch)])
+
+
+@pytest.mark.timeout(60)
+def test_mid_epoch_backups_refuse_a_loader_not_given_as_loaders(tmp_path, no_leaks):
+    with _loader() as loader:
+        with pytest.raises(ValueError, match=r"ProcessLoader.*not in `loaders`.*loaders=.*save_freq='epoch'"):
+            _model().fit(loader, epochs=2, verbose=0, callbacks=[BackupAndRestore(str(tmp_path), save_freq=5)])
+
+
+@pytest.mark.timeout(60)
+def test_retry_before_any_backup_logs_that_training_goes_on_from_memory(tmp_path, caplog):
+    x, y = Batches().x, Batches().y
+    model = _model()
+    backup = BackupAndRestore(str(tmp_path), save_freq=50)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=2, verbose=0,
+                  callbacks=[backup, CrashAtStep(3)])
+    with caplog.at_level("INFO", logger="kpipe.callbacks"):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=2, verbose=0, callbacks=[backup])
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "training from the start" not in text
+    assert "3 optimizer steps" in text and "kept in memory" in text and "interrupted fit()" in text
+    assert [r.levelname for r in caplog.records if "kept in memory" in r.getMessage()] == ["WARNING"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kpipe.callbacks"):
+        _model().fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0, callbacks=[backup])
+    assert "training from the start" in " ".join(r.getMessage() for r in caplog.records)
+
+
+def test_a_fit_looked_up_before_kpipe_wrapped_it_is_still_checked(tmp_path):
+    # `model.fit(x, callbacks=[kpipe.callbacks.BackupAndRestore(...)])` as the first kpipe
+    # name of a process resolves `fit` before kpipe's wrapper exists: the refusal holds.
+    model = _model()
+    unwrapped = type(model).fit.__wrapped__
+    with pytest.raises(ValueError, match=r"Received: x=<numpy.ndarray>, shuffle=True.*shuffle=False"):
+        unwrapped(model, Batches().x, Batches().y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[BackupAndRestore(str(tmp_path), save_freq=5)])
+
+
+class _Noisy(keras.layers.Layer):
+    """A user's layer with a seed generator of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generator = keras.random.SeedGenerator(11)
+
+    def call(self, x, training=False):
+        return x + keras.random.normal(keras.ops.shape(x), stddev=0.1, seed=self.generator) if training else x
+
+
+def _random_model(extra=True):
+    inputs = keras.Input((4,))
+    hidden = _Noisy()(keras.layers.Dropout(0.5, seed=1)(inputs))
+    if extra:
+        hidden = keras.layers.GaussianNoise(0.1, seed=2)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.generator = keras.random.SeedGenerator(5)  # one the model owns
+    return model
+
+
+def test_seed_generators_of_layers_nested_ones_and_the_model_are_all_saved(tmp_path):
+    from kpipe.callbacks import _backup_state
+
+    model = _random_model()
+    assert len(_backup_state.seed_generators(model)) == 4
+    saved = _backup_state.random_state(model)
+    for generator in _backup_state.seed_generators(model):
+        generator.next()
+    assert _backup_state.random_state(model) != saved
+    _backup_state.restore_random_state(model, saved, str(tmp_path))
+    assert _backup_state.random_state(model) == saved
+    with pytest.raises(ValueError, match=r"recorded 4 random seed generator state\(s\).*model has 3.*"
+                                         r"Build the same model.*delete the backup"):
+        _backup_state.restore_random_state(_random_model(extra=False), saved, str(tmp_path))

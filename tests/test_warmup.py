@@ -114,3 +114,99 @@ def test_epochs_need_a_known_epoch_length():
         _fit(_model(0.4), Warmup(epochs=1), x=unknown_length, epochs=1)
     with pytest.raises(RuntimeError, match="once `fit\\(\\)` has started"):
         Warmup(steps=2).planned_rates()
+
+
+# ---------------------------------------------------------------- interrupted fits (issue 52)
+class _Crash(keras.callbacks.Callback):
+    def __init__(self, after):
+        super().__init__()
+        self.after, self.done = after, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += 1
+        if self.done == self.after:
+            raise RuntimeError("simulated crash")
+
+
+class _Rates(keras.callbacks.Callback):
+    """{optimizer step: weight delta} of the steps that trained (skipped ones move nothing)."""
+
+    def on_train_begin(self, logs=None):
+        self.rates, self._w = {}, float(self.model.get_weights()[0][0, 0])
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        w = float(self.model.get_weights()[0][0, 0])
+        if step not in self.rates and w != self._w:
+            self.rates[step - 1] = round(self._w - w, 6)
+        self._w = w
+
+
+def _crashing_fit(model, *callbacks, after=3):
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _fit(model, *callbacks, _Crash(after))
+
+
+def _ramp(steps, initial, target):
+    return [initial + (target - initial) * t / steps for t in range(steps)]
+
+
+CONSTANT_SCHEDULE = keras.optimizers.schedules.PiecewiseConstantDecay([100], [0.4, 0.04])
+
+
+@pytest.mark.parametrize("rate", [0.4, CONSTANT_SCHEDULE], ids=["float", "schedule"])
+def test_an_interrupted_fit_leaves_the_compiled_rate_behind(rate):
+    model = _model(rate)
+    _crashing_fit(model, Warmup(steps=8, initial_lr=0.1))
+    if rate is CONSTANT_SCHEDULE:
+        assert model.optimizer._learning_rate is CONSTANT_SCHEDULE
+    assert float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)) == pytest.approx(0.4)
+    assert _fit(model) == pytest.approx([0.4] * 8)  # a plain fit: no ramp left in it
+
+
+def test_a_schedule_warmup_ending_mid_ramp_leaves_no_ramp_in_the_compiled_step():
+    model = _model(CONSTANT_SCHEDULE)
+    assert _fit(model, Warmup(steps=12, initial_lr=0.1)) == pytest.approx(_ramp(12, 0.1, 0.4)[:8])
+    assert _fit(model) == pytest.approx([0.4] * 8)  # steps 8-15: the schedule's own rate
+
+
+@pytest.mark.parametrize("rate", [0.4, CONSTANT_SCHEDULE], ids=["float", "schedule"])
+def test_a_retry_after_an_interruption_ramps_on_to_the_compiled_rate(rate):
+    model = _model(rate)
+    warmup = Warmup(steps=8, initial_lr=0.1)
+    _crashing_fit(model, warmup)
+    assert _fit(model, warmup) == pytest.approx(_ramp(8, 0.1, 0.4)[3:] + [0.4] * 3)
+
+
+@pytest.mark.parametrize("warmup_first", [True, False], ids=["warmup-first", "backup-first"])
+@pytest.mark.parametrize("rate", [0.4, CONSTANT_SCHEDULE], ids=["float", "schedule"])
+def test_warmup_with_backup_resumes_the_ramp_at_the_trained_step(rate, warmup_first, tmp_path):
+    from kpipe.callbacks import BackupAndRestore
+
+    def callbacks(backup_dir):
+        warmup, backup = Warmup(steps=6, initial_lr=0.1), BackupAndRestore(backup_dir, save_freq=2)
+        return [warmup, backup] if warmup_first else [backup, warmup]
+
+    full = _Rates()
+    reference = _model(rate)
+    _fit(reference, *callbacks(str(tmp_path / "full")), full, epochs=3)
+    assert list(full.rates.values()) == pytest.approx(_ramp(6, 0.1, 0.4) + [0.4] * 6)
+    model, made = _model(rate), callbacks(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _fit(model, *made, _Crash(5), epochs=3)  # backed up after step 4
+    resumed = _Rates()
+    _fit(model, *made, resumed, epochs=3)  # the same callbacks, retried in this process
+    assert resumed.rates == {t: full.rates[t] for t in range(4, 12)}
+    assert np.array_equal(model.get_weights()[0], reference.get_weights()[0])
+
+
+def test_a_retry_of_a_fit_kpipe_did_not_see_end_still_ramps_to_the_compiled_rate():
+    # A `fit` looked up before kpipe wrapped it runs no clean-up when it raises: the
+    # same Warmup hands the rate back when the next fit() sets the model.
+    model = _model(0.4)
+    warmup = Warmup(steps=8, initial_lr=0.1)
+    x = np.ones((2 * STEPS_PER_EPOCH, 1), "float32")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        type(model).fit.__wrapped__(model, x, np.zeros_like(x), batch_size=2, epochs=2, shuffle=False,
+                                    verbose=0, callbacks=[warmup, _Crash(3)])
+    assert _fit(model, warmup) == pytest.approx(_ramp(8, 0.1, 0.4)[3:] + [0.4] * 3)

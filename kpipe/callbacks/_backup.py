@@ -15,8 +15,10 @@ crash-consistent:
       worker-0/                  per_worker_path(backup_dir), stable across restarts
         epoch-000002/            save_freq="epoch": epochs completed
         (step-000000040/)        save_freq=N: the 40th save, after 40*N training steps
-          state.weights.h5       model weights + optimizer variables (`iterations` too)
-          metadata.json          written LAST: temp file, fsync, os.replace, fsync dir
+          state.weights.h5       model weights + optimizer variables (`iterations`, the
+                                 learning-rate variable and slots too)
+          metadata.json          written LAST: temp file, fsync, os.replace, fsync dir;
+                                 also the states of the model's random seed generators
       worker-1/ ...
 
 Saving backup k: remove its old `metadata.json` if any, write and fsync the files, then
@@ -24,7 +26,9 @@ commit the metadata atomically. A backup is *complete* when its metadata parses,
 k and lists files that exist with the recorded sizes; a crash at any point leaves it
 incomplete, never half-valid. The metadata records where training stands: the Keras
 epoch to resume and the steps already done in it, the training steps done in all, and
-the state (`loader.state()`) of each of `loaders` at the first batch not yet trained on.
+the state (`loader.state()`) of each of `loaders` at the first batch not yet trained on,
+and the state of every `keras.random.SeedGenerator` of the model (Dropout, GaussianNoise,
+SpatialDropout, RandomFlip, ...: not in `model.weights`, see `_backup_state.py`).
 
 Resuming (`on_train_begin`): each worker lists its complete backups as a 0/1 vector over
 `0..K` (K: the last save `fit()` can make; 0, "nothing trained", is always held) and
@@ -50,7 +54,9 @@ step numbers, progress bar, `steps_per_epoch` and callbacks' epoch and batch ind
 then those of the uninterrupted run (the resumed epoch's logged metrics cover the steps
 trained after the resume), and so are the batches: a loader's stream starts at its
 restored position and the first real step trains on exactly the batch the interrupted
-run would have trained on next.
+run would have trained on next. Unshuffled NumPy arrays have no loader: their skipped
+steps read their batch and drop it instead. Inputs that neither can position are refused
+when backups can fall inside an epoch (NOTE in `_backup_input.py`).
 
 One detail of Keras: with `steps_per_epoch` set, its epoch iterator counts the steps
 taken from the current pass (`_steps_seen`) to end an epoch early where a pass ends; a
@@ -73,11 +79,13 @@ from typing import Dict, List, Optional, Sequence
 import keras
 import numpy as np
 
-from kpipe import _stream
+from kpipe import _fit_scope, _keras_hook, _stream
 from kpipe._keras_hook import keras_iterator
+from kpipe.callbacks import _backup_input, _backup_state
 from kpipe.distribute._chief import per_worker_path
 
 logger = logging.getLogger("kpipe.callbacks")
+_keras_hook.install_fit_wrappers()  # fit()'s end runs _release, however it ends (kpipe/_fit_scope.py)
 
 _FORMAT = 2
 _STATE_FILE = "state.weights.h5"
@@ -92,6 +100,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     A crash-consistent replacement for `keras.callbacks.BackupAndRestore`, for one process
     as for `MultiWorkerMirroredStrategy` jobs. After each epoch (or every `save_freq`
     training steps) every worker writes the model weights, optimizer variables, the
+    states of the model's random seed generators (Dropout's, GaussianNoise's, ...), the
     position of its `loaders` and the epoch/step counters to files of its own under its
     own directory (`kpipe.distribute.per_worker_path(backup_dir)`), committing each backup
     with a small metadata file written last by atomic rename, and keeps the last `keep`
@@ -121,7 +130,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             multi-worker training at least 2 are kept (see the NOTE). Defaults to 2.
         loaders: The `kpipe.ProcessLoader` given to `fit()` (or a sequence of them), to
             put back on the resumed position; pass the same ones in the relaunched run.
-            Without it, the input restarts wherever it starts. Defaults to `None`.
+            Without it, the input restarts wherever it starts; with `save_freq=N`,
+            `fit()` then refuses inputs other than unshuffled NumPy arrays (see below).
+            Defaults to `None`.
 
     Attributes:
         worker_dir: This worker's directory.
@@ -135,9 +146,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         TypeError: An item of `loaders` has no `state`/`restore` methods.
 
     `fit()` raises `ValueError` if a backup being restored recorded a different number of
-    loaders or other data (see `ProcessLoader.restore`), if a backup was written by an
-    incompatible kpipe, and with `save_freq=N` if `steps_per_execution > 1` or the steps
-    per epoch are unknown.
+    loaders or other data (see `ProcessLoader.restore`) or other random layers, if a
+    backup was written by an incompatible kpipe, and with `save_freq=N` if
+    `steps_per_execution > 1`, the steps per epoch are unknown, or backups can fall inside
+    an epoch of an input they cannot position there (shuffled arrays, arrays with
+    `steps_per_epoch`, a `tf.data.Dataset`, a generator, a `PyDataset` or `ProcessLoader`
+    not in `loaders`): the message says how (`loaders=`, `shuffle=False`, or
+    `save_freq="epoch"`). A same-process retry that finds no backup goes on from the
+    model kept in memory and logs so (a warning).
 
     Example:
 
@@ -185,6 +201,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._retain = keep
         self._set_initial_epoch = False
         self._gate = None
+        self._running = False  # between on_train_begin and on_train_end
         self._reset_run()
 
     def _reset_run(self):
@@ -194,10 +211,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._consumed = 0  # batches this fit() took from the loaders
         self._origins = []  # where each loader's reading began in this fit()
         self._skip = 0
+        self._read_skipped = False  # skipped steps read their batch (see _backup_input.py)
         self._align = None  # [(loader, Keras step count)] to set at the first step of a resumed run
 
     # ------------------------------------------------------------------ Keras hooks
     def on_train_begin(self, logs=None):
+        self._release()  # what a fit() that kpipe did not see end left behind
+        _fit_scope.at_exit(self.model, self._release)  # however this fit() ends
+        interrupted, self._running = self._running, True
         self._reset_run()
         if self._kind == "step" and _steps_per_execution(self.model) > 1:
             raise ValueError(
@@ -206,6 +227,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"{_steps_per_execution(self.model)}. Compile with steps_per_execution=1 or "
                 "use save_freq='epoch'.")
         self._check_keras_restarts_passes()
+        self._check_input()
         strategy = self.model.distribute_strategy
         workers = _num_workers(strategy)
         self._retain = max(self.keep, 2) if workers > 1 else self.keep
@@ -216,8 +238,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.restored_step = 0
         if index == 0:
             self._origins = [_head(loader) for loader in self.loaders]
-            logger.info("BackupAndRestore: no backup held by every worker in %s; "
-                        "training from the start.", self.backup_dir)
+            self._log_fresh_start(interrupted)
             return
         metadata = local[index]
         self._restore(strategy, index, metadata)
@@ -257,18 +278,43 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save(epoch + 1)
 
     def on_train_end(self, logs=None):
-        if self._gate is not None:
-            if self.model.train_function is self._gate:
-                self.model.train_function = self._gate.original
-            self._gate = None
-        if self._set_initial_epoch:  # Keras never resets it: the next fit() would skip epochs
-            self.model._initial_epoch = None  # noqa: SLF001
-            self._set_initial_epoch = False
+        self._release()
+        self._running = False
         for index in _backup_dirs(self.worker_dir, self._kind):
             _remove_backup(self._dir(index))
         _rmdir_if_empty(self.worker_dir)
         if self.backup_dir != self.worker_dir:  # the others' worker dirs may still be there
             _rmdir_if_empty(self.backup_dir)
+
+    def _release(self):
+        """Hands the model back as fit() found it: its train function unwrapped, its
+        initial epoch unset (Keras never resets it: the next fit() would skip epochs)."""
+        self._gate = None
+        while isinstance(getattr(self.model, "train_function", None), _StepGate):
+            self.model.train_function = self.model.train_function.original  # gates come at batch 0
+        if self._set_initial_epoch:
+            self.model._initial_epoch = None  # noqa: SLF001
+            self._set_initial_epoch = False
+
+    def _check_input(self):
+        """Refuses backups inside an epoch of an input they cannot position (NOTE in
+        `_backup_input.py`); notes whether skipped steps must read their batch."""
+        steps = self.params.get("steps") if self.params else None
+        if self._kind == "step" and steps and self.save_freq % int(steps):
+            mode = _backup_input.resume_mode(self.model, self.save_freq, int(steps), self.loaders)
+            self._read_skipped = mode == _backup_input.READ_THROUGH
+
+    def _log_fresh_start(self, interrupted: bool):
+        done = _optimizer_step(self.model) or 0
+        if done:
+            log = logger.warning if interrupted else logger.info
+            log("BackupAndRestore: no backup held by every worker in %s; training goes on from "
+                "the model kept in memory (%d optimizer steps done%s), not from the start.",
+                self.backup_dir, done, ": the interrupted fit() in this process trained them. "
+                "Build and compile the model again to start over" if interrupted else "")
+        else:
+            logger.info("BackupAndRestore: no backup held by every worker in %s; "
+                        "training from the start.", self.backup_dir)
 
     def _check_keras_restarts_passes(self):
         """Keras < 3.7 never restarts a finite input when `steps_per_epoch` is shorter than
@@ -301,6 +347,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "batch": self._batch,
             "step": self._step,
             "optimizer_step": _optimizer_step(self.model),
+            "random": _backup_state.random_state(self.model),
             "files": files,
             "loaders": [_loader_state(loader, origin, self._consumed) for loader, origin in zip(self.loaders, self._origins)],
             "keras_steps_seen": [_keras_steps_seen(loader) for loader in self.loaders],
@@ -363,6 +410,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             with strategy.scope():  # slot variables must be created as mirrored ones
                 optimizer.build(self.model.trainable_variables)
         self.model.load_weights(os.path.join(self._dir(index), _STATE_FILE))
+        _backup_state.restore_random_state(self.model, metadata.get("random"), self._dir(index))
         step = _optimizer_step(self.model)
         if metadata.get("optimizer_step") is not None and step != metadata["optimizer_step"]:
             logger.warning("BackupAndRestore: backup %s was saved at optimizer step %s but "
@@ -399,6 +447,8 @@ class _StepGate:
         if cb._skip > 0:  # noqa: SLF001
             cb._skip -= 1  # noqa: SLF001
             self.last_was_real = False
+            if cb._read_skipped:  # noqa: SLF001 -- unshuffled arrays: drop the trained batch
+                next(iterator)
             return _metrics_so_far(cb.model)
         self.last_was_real = True
         cb._consumed += 1  # noqa: SLF001
