@@ -300,3 +300,24 @@ def test_state_sent_by_value_is_not_warned(no_leaks, caplog):
                 loader.on_epoch_end()
     assert got == [[100, 101], [200, 201], [300, 301]]
     assert not [r for r in caplog.records if "imported from its module" in r.getMessage()]
+
+
+def test_slot_reuse_can_be_turned_off(no_leaks, monkeypatch):
+    """`KPIPE_REUSE_SLOTS=0`: no batch is ever written into memory another batch used."""
+    monkeypatch.setenv("KPIPE_REUSE_SLOTS", "0")
+
+    class DS:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return np.stack([np.full((256, 256), i, np.float32) for _ in range(8)])
+
+    with kpipe.ProcessLoader(DS(), workers=1) as loader:
+        for _ in range(3):
+            assert [float(loader[i].max()) for i in range(4)] == [0.0, 1.0, 2.0, 3.0]
+            loader.on_epoch_end()
+        slots = reader_of(loader).backend._slots
+        created = slots._next_id
+        loads = loader.stats()["loads"]
+    assert created == loads >= 12  # a new slot for every batch loaded

@@ -533,6 +533,9 @@ class SlotPool:
         self._closed = False
         self.lease_releases = 0  # leases ended (batches the consumer let go), ever
         self._pinned = set()  # slots a worker's dataset still references: retired, never reused
+        # KPIPE_REUSE_SLOTS=0: every slot is retired once let go of (the opt-out of slot reuse:
+        # each batch then costs a new slot, as each costs a new array without kpipe)
+        self._reuse = os.environ.get("KPIPE_REUSE_SLOTS", "1") != "0"
 
     def acquire(self, prefer=()):
         """Returns `(slot_id, created)`: preferably a free slot in `prefer`, else the most
@@ -592,7 +595,7 @@ class SlotPool:
         with self._lock:
             if self._closed or slot not in self.segments:
                 return
-            if slot in self._pinned or len(self._free) >= self._keep_idle:
+            if slot in self._pinned or not self._reuse or len(self._free) >= self._keep_idle:
                 self._pinned.discard(slot)
                 self.segments.pop(slot).close()
                 self.retired.append(slot)
