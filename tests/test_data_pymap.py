@@ -260,3 +260,15 @@ def test_a_dtype_change_between_samples_is_a_named_error(workers, no_leaked_work
     ):
         list(ds.as_numpy_iterator())
     del ds
+
+
+def test_the_probe_leaves_a_seeded_source_order_as_it_is():
+    # found by the differential suite: the probe read the source's seeded block order once,
+    # so a pipeline with py_map_fn got the order of the second epoch in its first
+    def ident(x, y):
+        return x, y
+
+    plain = kpipe.data.pipeline(_source(), batch_size=5, shuffle=8, seed=2)
+    mapped = kpipe.data.pipeline(_source(), batch_size=5, shuffle=8, seed=2, py_map_fn=ident, workers=0)
+    for _ in range(2):
+        assert [y.tolist() for _, y in mapped.as_numpy_iterator()] == [y.tolist() for _, y in plain.as_numpy_iterator()]

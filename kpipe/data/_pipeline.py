@@ -66,7 +66,8 @@ def pipeline(
             `map_fn` and batching, one batch per hand-off, in order. It is sent with
             cloudpickle (lambdas and notebook functions work) and called once in this
             process to learn its output shapes and dtypes, unless `py_output_signature`
-            is given. Its outputs must have the same shape and dtype for every sample
+            is given (that probe reads the first sample of `ds`: an iteration of `ds`,
+            which advances a seeded shuffle made inside `ds` itself, not kpipe's). Its outputs must have the same shape and dtype for every sample
             (a dtype change is a `TypeError` naming the element, as tf.data refuses it).
             The workers are kept between epochs and stopped after 30 s without use.
             Defaults to None.
@@ -144,6 +145,10 @@ def pipeline(
     elif shard.sharded:
         ds = ds.shard(shard.num_shards, shard.index)
     sample_ds = ds
+    if source is not None and shuffling and not cache and py_map_fn is not None and py_output_signature is None:
+        # py_map_fn's probe reads a sample from a build of its own: reading `ds` would advance
+        # its seeded block order by one iteration, and the first epoch would get the second's.
+        sample_ds = source.build(shard)
     if cache:
         ds = ds.cache() if cache is True or cache == "memory" else ds.cache(_cache_path(cache, shard))
     if shuffling:
