@@ -51,7 +51,7 @@ def fit_generator(
     at Keras's epoch ends, which fall inside passes). Plain Keras 3 `fit()` would stop
     the third epoch after one step, at the end of the data. With `initial_epoch`, the
     run starts where an uninterrupted run's epoch `initial_epoch` would (Keras 2 started
-    at the first batch). Validation runs read from the first batch each time.
+    at the first batch). Validation data is read as plain Keras 3 reads it.
 
     Args:
         model: A compiled `keras.Model`.
@@ -120,7 +120,7 @@ def fit_generator(
         )
         owned.append(loader)
         n = loader.num_batches
-        if steps is not None and n is not None and steps != n:
+        if steps is not None and n and steps != n:
             # Keras 2's steps: the passes one after another (see the docstring)
             return _Passes(loader, start=initial_epoch * steps)
         if initial_epoch:
@@ -187,8 +187,8 @@ class _Passes(keras.utils.PyDataset):
             self._length = self._loader.num_batches
         if index < self._start:
             raise RuntimeError(
-                f"fit_generator read batch {index} of its endless view after batch {self._start} "
-                "(a later pass): Keras restarted its iterator, which Keras 2's steps cannot follow. "
+                f"fit_generator was asked for batch {index} of its endless view after batch {self._start} "
+                "of a later pass: Keras restarted its iterator, which Keras 2's steps cannot follow. "
                 "Pass steps_per_epoch=None (one pass an epoch) or report this with your Keras version."
             )
         batch = self._loader[index - self._start]

@@ -210,3 +210,17 @@ def test_fit_generator_steps_longer_than_the_sequence_and_initial_epoch(no_leaks
     kpipe.fit_generator(model, BatchIds(n=5), steps_per_epoch=2, epochs=5, verbose=0, shuffle=True, seed=3,
                         workers=2, use_multiprocessing=True)
     assert sorted(model.seen[:5]) == sorted(model.seen[5:]) == list(range(5))
+
+
+def test_endless_view_serves_the_spec_reads_again_and_refuses_a_pass_already_left():
+    from _keras_datasets import BatchIds
+
+    from kpipe.fit import _Passes
+
+    with kpipe.ProcessLoader(BatchIds(n=3), workers=0) as loader:
+        view = _Passes(loader)
+        assert view.num_batches is None
+        ids = [int(view[i][0][0, 0]) for i in (0, 1, 0, 1, 2, 3, 4)]  # Keras: 2 spec reads, then from 0
+        assert ids == [0, 1, 0, 1, 2, 0, 1]
+        with pytest.raises(RuntimeError, match=r"asked for batch 2 of its endless view after batch 3 of a later pass"):
+            view[2]
