@@ -21,11 +21,13 @@ What "the same" means for each part:
   with 1 and 2 workers.
 """
 
+import functools
 import itertools
 import os
 import random
 import subprocess
 import sys
+import warnings
 
 import h5py
 import numpy as np
@@ -122,7 +124,8 @@ def _labels(rng, n):
 
 
 def _numpy_case(rng, tmp_path):
-    """Returns `(dataset, reference arrays in element structure, description)`."""
+    """Returns `(make, reference arrays in element structure, description)`; `make(**shard)`
+    builds the source (with `num_shards`/`index` if given)."""
     n = rng.randint(1, 37)
     x = _array(rng, n, rng.choice(_DTYPES), _shape(rng))
     layout = rng.choice(["plain", "view", "fortran", "npy"])
@@ -140,12 +143,12 @@ def _numpy_case(rng, tmp_path):
     if rng.random() < 0.3:
         x2 = _array(rng, n, rng.choice(_DTYPES), _shape(rng))
         inputs = {"a": x, "b": x2}
-        ds = kpipe.data.from_numpy(inputs, y, block_size=block)
+        make = functools.partial(kpipe.data.from_numpy, inputs, y, block_size=block)
         arrays = ({"a": np.asarray(x), "b": x2}, y) if y is not None else {"a": np.asarray(x), "b": x2}
     else:
-        ds = kpipe.data.from_numpy(x, y, block_size=block)
+        make = functools.partial(kpipe.data.from_numpy, x, y, block_size=block)
         arrays = (np.asarray(x), y) if y is not None else np.asarray(x)
-    return ds, arrays, f"from_numpy n={n} {layout} dtype={x.dtype} shape={x.shape[1:]} block={block}"
+    return make, arrays, f"from_numpy n={n} {layout} dtype={x.dtype} shape={x.shape[1:]} block={block}"
 
 
 def _hdf5_case(rng, tmp_path):
@@ -181,9 +184,9 @@ def _hdf5_case(rng, tmp_path):
     block = rng.choice([None, 1, 2, 5, 9])
     where = str(folder / "part-*.h5") if rng.random() < 0.5 else paths
     with_y = rng.random() < 0.8
-    ds = kpipe.data.from_hdf5(where, x="x", y="labels/y" if with_y else None, block_size=block)
+    make = functools.partial(kpipe.data.from_hdf5, where, x="x", y="labels/y" if with_y else None, block_size=block)
     arrays = (ref_x, ref_y) if with_y else ref_x
-    return ds, arrays, (
+    return make, arrays, (
         f"from_hdf5 files={[len(x) for x in xs]} dtype={dtype} shape={shape} chunks={chunked} "
         f"compression={compression} block={block} glob={isinstance(where, str)}"
     )
@@ -215,7 +218,7 @@ def _tfrecord_case(rng, tmp_path):
                 next_id += 1
         paths.append(path)
     label = rng.choice([None, "id"])
-    ds = kpipe.data.from_tfrecord(paths, features, label=label, compression_type=compression)
+    make = functools.partial(kpipe.data.from_tfrecord, paths, features, label=label, compression_type=compression)
     # plain tf.data doing the same: the same files interleaved one record at a time, each
     # record parsed on its own
     ref = tf.data.Dataset.from_tensor_slices(paths).interleave(
@@ -231,7 +234,7 @@ def _tfrecord_case(rng, tmp_path):
         parsed = dict(parsed)
         return parsed, parsed.pop(label)
 
-    return ds, ref.map(parse), f"from_tfrecord kinds={kinds} files={len(paths)} compression={compression} label={label}"
+    return make, ref.map(parse), f"from_tfrecord kinds={kinds} files={len(paths)} compression={compression} label={label}"
 
 
 def _example(rng, i, kinds, width):
@@ -261,23 +264,38 @@ def _slices(arrays):
     return tf.data.Dataset.from_tensor_slices(arrays)
 
 
-@pytest.mark.parametrize("case", _cases())
-def test_numpy_source(case, tmp_path):
-    ds, arrays, what = _numpy_case(random.Random(case), tmp_path)
-    _assert_same(_elements(ds), _elements(_slices(arrays)), what)
+_SOURCES = {"numpy": (_numpy_case, 0), "hdf5": (_hdf5_case, 1000), "tfrecord": (_tfrecord_case, 2000)}
+
+
+def _source_case(kind, case, tmp_path):
+    make_case, offset = _SOURCES[kind]
+    rng = random.Random(offset + case)
+    make, ref, what = make_case(rng, tmp_path)
+    if not isinstance(ref, tf.data.Dataset):
+        ref = _slices(ref)
+    return rng, make, ref, what
 
 
 @pytest.mark.parametrize("case", _cases())
-def test_hdf5_source(case, tmp_path):
-    ds, arrays, what = _hdf5_case(random.Random(1000 + case), tmp_path)
-    _assert_same(_elements(ds), _elements(_slices(arrays)), what)
-
-
-@pytest.mark.parametrize("case", _cases())
-def test_tfrecord_source(case, tmp_path):
-    ds, ref, what = _tfrecord_case(random.Random(2000 + case), tmp_path)
+@pytest.mark.parametrize("kind", sorted(_SOURCES))
+def test_source(kind, case, tmp_path):
+    _, make, ref, what = _source_case(kind, case, tmp_path)
+    ds = make()
     assert ds.element_spec == ref.element_spec, what
     _assert_same(_elements(ds), _elements(ref), what)
+
+
+@pytest.mark.parametrize("case", _cases(default=3, slow=20))
+@pytest.mark.parametrize("kind", sorted(_SOURCES))
+def test_source_shards_are_disjoint_and_complete(kind, case, tmp_path):
+    rng, make, ref, what = _source_case(kind, case, tmp_path)
+    num_shards = rng.randint(2, 7)
+    got = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # from_tfrecord: fewer files than shards
+        for index in range(num_shards):
+            got += _elements(make(num_shards=num_shards, index=index))
+    _assert_same(sorted(got), sorted(_elements(ref)), f"{num_shards} shards: {what}")
 
 
 # -- pipelines ---------------------------------------------------------------------------------
@@ -316,11 +334,12 @@ def _py_fn(kind):
 
 
 def _pipeline_case(rng, tmp_path):
-    make = rng.choice([_numpy_case, _hdf5_case])
+    make_case = rng.choice([_numpy_case, _hdf5_case])
     while True:  # pipelines here take (x, y) samples
-        ds, arrays, what = make(rng, tmp_path)
+        make, arrays, what = make_case(rng, tmp_path)
         if isinstance(arrays, tuple) and not isinstance(arrays[0], dict):
             break
+    ds = make()
     args = dict(
         batch_size=rng.randint(1, 9),
         drop_remainder=rng.random() < 0.3,
