@@ -2,7 +2,7 @@
 compared with NumPy / h5py / plain tf.data doing the same, element by element, by bytes.
 
 Every case is drawn from its own seeded `random.Random(case)`, so a failure names a case
-number that reproduces it (`-k "numpy_source and 17"`). The default suite runs a fixed
+number that reproduces it (`"tests/test_data_differential.py::test_source[numpy-17]"`). The default suite runs a fixed
 budget of cases; the `slow` marker runs many more of the same kinds.
 
 What "the same" means for each part:
@@ -10,7 +10,8 @@ What "the same" means for each part:
   memmaps, dict inputs), `from_hdf5` (files of odd lengths, chunked or not, gzip/lzf,
   globs) and `from_tfrecord` (fixed, sequence, var-len, ragged and bytes features, GZIP)
   against the arrays, h5py's reads, and `TFRecordDataset` + `parse_single_example` with
-  the same file interleave -- in order;
+  the same file interleave -- in order, element specs equal; and sharded 2-7 ways, all
+  shard indices together against the whole, each sample exactly once;
 * pipelines (batch, drop_remainder, cache, repeat, `map_fn`): against plain tf.data over
   the same arrays, in order; with a seeded shuffle, each epoch against the same multiset
   (every sample once per pass) and a rebuilt pipeline against the first (same bytes);
