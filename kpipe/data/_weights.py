@@ -98,8 +98,9 @@ def _labels(value, batched):
         labels = source.labels()
         if labels is not None:
             return _squeeze(np.asarray(labels))
-        # Labels known only by reading the samples: read the whole source (see docstring).
-        return _dataset_labels(source.build(ShardSpec()), batched)
+        # Labels known only by reading the samples: read the whole source (see docstring),
+        # whose elements are single samples.
+        return _dataset_labels(source.build(ShardSpec()), False)
     if _is_dataset(value):
         return _dataset_labels(value, batched)
     if isinstance(value, dict):
