@@ -20,16 +20,22 @@ range; every version test about them lives in this module:
             `train_step_on_batches()` builds Keras's one-step function for the profiler.
             `TFEpochIterator` keeps one iterator across epochs when `steps_per_epoch`
             is set and never restarts it: a finite dataset runs out after one pass
-            ("Your input ran out of data; interrupting training"), so
-            `finite_steps_per_epoch()` passes a full pass as `None`.
+            ("Your input ran out of data"), the epoch in which it ran out ends there and
+            later epochs get no batches; so `finite_steps_per_epoch()` passes a full
+            pass as `None` (Keras then restarts the dataset every epoch).
             `steps_per_execution=k` runs k one-step calls in a Python loop, which works
             under MultiWorkerMirroredStrategy. `BackupAndRestore` has no
             `double_checkpoint` argument.
     >= 3.7  `train_function` also takes a Python iterable of batches (as
             `train_on_batch` passes it), so kpipe's epoch iterator hands a
             ProcessLoader over through `kpipe._feed.Feed` (before 3.7, through the
-            adapter's `tf.data.Dataset.from_generator`); `EpochIterator.reset()` restarts a finite
-            dataset after each pass; `steps_per_execution=k` is a `tf.while_loop` over
+            adapter's `tf.data.Dataset.from_generator`). With `steps_per_epoch` set,
+            `EpochIterator` keeps one iterator across epochs and restarts a finite
+            dataset only once a whole pass was drawn; an epoch that would run past the
+            pass's end stops there ("Your input ran out of data"): `steps_per_epoch=3`
+            over 7 batches trains 3, 3, 1, 3, 3, 1 steps (checked up to 3.15.1; Keras 2
+            trained 3, 3, 3 across the end: `kpipe.fit_generator` does, on every
+            version, by handing Keras its passes as one endless dataset); `steps_per_execution=k` is a `tf.while_loop` over
             `get_next_as_optional`, which fails under MultiWorkerMirroredStrategy
             (kpipe's epoch iterator hands Keras a Python iterator there, so that it
             runs the k steps in Python: `kpipe/_keras_hook.py`, `_StepsInPython`).
@@ -313,10 +319,15 @@ def _one_step_on_data(model):
 def finite_steps_per_epoch(steps_per_epoch, num_batches, epochs, initial_epoch=0):
     """`steps_per_epoch` to pass to `fit()` for a finite `PyDataset` of `num_batches`.
 
-    Keras >= 3.7 restarts a finite dataset after each full pass: any value works and is
-    returned unchanged. Before 3.7, with `steps_per_epoch` set, Keras never restarts it,
-    so a full pass per epoch is passed as `None` (Keras then restarts it every epoch), and
-    anything else that needs more batches than one pass raises.
+    What `fit(steps_per_epoch=k)` does with a finite dataset of `n` batches, `k != n`:
+    Keras >= 3.7 (through 3.15.1) keeps one iterator across epochs, restarts the dataset
+    once a whole pass was drawn, and ends an epoch early at the pass's end (3 steps over 7
+    batches: 3, 3, 1, 3, 3, 1) -- `k` is returned unchanged. Keras < 3.7 keeps one iterator
+    and never restarts it: once a pass is drawn, the epochs get no more batches. So before
+    3.7 a full pass per epoch (`k == n`) is passed as `None` (Keras then restarts the
+    dataset every epoch), and a `k` that needs more batches than one pass raises.
+    `kpipe.fit_generator` uses this for whole passes and validation; for other training
+    steps it gives Keras an endless dataset instead (Keras 2's steps).
 
     Raises:
         RuntimeError: on Keras < 3.7 when the epochs need more than one pass of a

@@ -203,3 +203,72 @@ def test_declared_signature_skips_the_probe_and_casts():
 def test_probe_rejects_non_numeric_outputs():
     with pytest.raises(TypeError, match="py_map_fn returned output 0 with dtype <U"):
         kpipe.data.pipeline(_source(), batch_size=8, py_map_fn=lambda x, y: (str(y), y), workers=0)
+
+
+# -- issue 51: seeded per element; dtypes kept, never cast -------------------------------------
+
+
+def _noisy(x, y):
+    import random
+
+    return x + np.random.normal(size=x.shape).astype(np.float32) + random.random(), y
+
+
+def _epochs(ds, n=2):
+    return [[(x.tobytes(), y.tobytes()) for x, y in ds.as_numpy_iterator()] for _ in range(n)]
+
+
+@pytest.mark.timeout(300)
+def test_seeded_randomness_is_the_same_whatever_workers(no_leaked_workers):
+    runs = {}
+    for workers in (0, 1, 2):
+        ds = kpipe.data.pipeline(_source(), batch_size=6, py_map_fn=_noisy, workers=workers, shuffle=16, seed=3)
+        runs[workers] = _epochs(ds)
+        del ds
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[2][0] != runs[2][1]  # each iteration draws anew (as a seeded reshuffle does)
+    again = kpipe.data.pipeline(_source(), batch_size=6, py_map_fn=_noisy, workers=2, shuffle=16, seed=3)
+    assert _epochs(again) == runs[2]  # a new pipeline repeats them
+    other = kpipe.data.pipeline(_source(), batch_size=6, py_map_fn=_noisy, workers=2, shuffle=16, seed=4)
+    assert _epochs(other, 1)[0] != runs[2][0]
+    del again, other
+
+
+@pytest.mark.timeout(120)
+def test_seeded_randomness_does_not_depend_on_the_batch_size(no_leaked_workers):
+    def flat(ds):
+        return [(x.tobytes(), int(y)) for xb, yb in ds.as_numpy_iterator() for x, y in zip(xb, yb)]
+
+    small = kpipe.data.pipeline(_source(), batch_size=4, py_map_fn=_noisy, workers=0, seed=1)
+    large = kpipe.data.pipeline(_source(), batch_size=7, py_map_fn=_noisy, workers=2, seed=1)
+    assert flat(small) == flat(large)
+    del small, large
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dtype_change_between_samples_is_a_named_error(workers, no_leaked_workers):
+    def halves(x, y):
+        return (int(y) // 2 if int(y) < 9 else int(y) / 2), y  # int64 for samples 0-8, float64 from 9
+
+    ds = kpipe.data.pipeline(_source(), batch_size=4, py_map_fn=halves, workers=workers)
+    assert ds.element_spec[0].dtype == tf.int64
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"TypeError: py_map_fn output 0 has dtype float64 for element 9 .*but int64 for the first element.*"
+        r"same dtype for every sample",
+    ):
+        list(ds.as_numpy_iterator())
+    del ds
+
+
+def test_the_probe_leaves_a_seeded_source_order_as_it_is():
+    # found by the differential suite: the probe read the source's seeded block order once,
+    # so a pipeline with py_map_fn got the order of the second epoch in its first
+    def ident(x, y):
+        return x, y
+
+    plain = kpipe.data.pipeline(_source(), batch_size=5, shuffle=8, seed=2)
+    mapped = kpipe.data.pipeline(_source(), batch_size=5, shuffle=8, seed=2, py_map_fn=ident, workers=0)
+    for _ in range(2):
+        assert [y.tolist() for _, y in mapped.as_numpy_iterator()] == [y.tolist() for _, y in plain.as_numpy_iterator()]

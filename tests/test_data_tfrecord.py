@@ -82,3 +82,43 @@ def test_bad_input(tmp_path):
         kpipe.data.from_tfrecord(paths, FEATURES, label="y")
     with pytest.raises(ValueError, match="`compression_type` must be None, 'GZIP' or 'ZLIB'"):
         kpipe.data.from_tfrecord(paths, FEATURES, compression_type="zip")
+
+
+def test_sequence_features_keep_each_records_length(tmp_path):
+    # issue 51: records were parsed 128 at a time, so a sequence was padded to its neighbours'
+    path = str(tmp_path / "seq.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        for n in range(1, 5):
+            feature = {
+                "s": tf.train.Feature(int64_list=tf.train.Int64List(value=list(range(10, 10 + n)))),
+                "id": tf.train.Feature(int64_list=tf.train.Int64List(value=[n])),
+            }
+            w.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    features = {
+        "s": tf.io.FixedLenSequenceFeature([], tf.int64, allow_missing=True),
+        "id": tf.io.FixedLenFeature([], tf.int64),
+    }
+    want = [
+        tf.io.parse_single_example(r, features)["s"].numpy().tolist()
+        for r in tf.data.TFRecordDataset(path).as_numpy_iterator()
+    ]
+    assert want == [[10], [10, 11], [10, 11, 12], [10, 11, 12, 13]]
+    got = [e["s"].tolist() for e in kpipe.data.from_tfrecord(path, features).as_numpy_iterator()]
+    assert got == want
+    pairs = kpipe.data.from_tfrecord(path, features, label="id")
+    assert [(f["s"].tolist(), int(i)) for f, i in pairs.as_numpy_iterator()] == list(zip(want, range(1, 5)))
+
+
+def test_ragged_features_have_parse_single_examples_spec(tmp_path):
+    # found by the differential suite: a vectorized parse split back gave ragged-rank-0
+    # RaggedTensors where parse_single_example gives tensors
+    path = str(tmp_path / "ragged.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        for n in range(3):
+            f = {"r": tf.train.Feature(int64_list=tf.train.Int64List(value=list(range(n))))}
+            w.write(tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString())
+    features = {"r": tf.io.RaggedFeature(tf.int64)}
+    ref = tf.data.TFRecordDataset(path).map(lambda r: tf.io.parse_single_example(r, features))
+    ds = kpipe.data.from_tfrecord(path, features)
+    assert ds.element_spec == ref.element_spec
+    assert [e["r"].tolist() for e in ds.as_numpy_iterator()] == [[], [0], [0, 1]]

@@ -89,3 +89,66 @@ def test_resolve_shard_from_context_or_numbers():
         resolve_shard(ctx, 2, 0)
     with pytest.raises(TypeError, match="`input_context` must be a `tf.distribute.InputContext`"):
         resolve_shard("worker-0")
+
+
+# -- issue 51: labels read by the declared structure, not by the values of one batch ---------
+
+_Y51 = np.array([0, 0, 0, 1, 2, 2, 5, 5, 5, 5])
+_W51 = {0: 10 / 12, 1: 10 / 4, 2: 10 / 8, 5: 10 / 16}
+
+
+def test_integer_one_hot_samples_are_one_hot():
+    x = np.zeros((10, 3), np.float32)
+    one_hot = np.eye(6, dtype="int64")[_Y51]
+    assert kpipe.data.class_weights(one_hot) == pytest.approx(_W51)
+    ds = tf.data.Dataset.from_tensor_slices((x, one_hot))
+    assert kpipe.data.class_weights(ds) == pytest.approx(_W51)
+    assert kpipe.data.class_weights(ds.batch(4)) == pytest.approx(_W51)
+    assert kpipe.data.class_weights(ds.batch(5, drop_remainder=True)) == pytest.approx(_W51)
+
+
+def test_static_batches_of_binary_labels_are_ids_whatever_their_values():
+    y = np.array([1, 0, 0, 0, 1, 1, 1, 0], np.float32)  # the first batch looks like a one-hot row
+    x = np.zeros((8, 2), np.float32)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4, drop_remainder=True)
+    assert ds.element_spec[1].shape == (4,)
+    assert kpipe.data.class_weights(ds) == pytest.approx({0: 1.0, 1: 1.0})
+
+
+def test_batched_argument_states_the_structure():
+    # x's sample shape equals the label's: the structure is ambiguous, so `batched` says it
+    y = np.array([[1, 0], [1, 0], [0, 1]], np.float32)  # 3 one-hot samples of 2 classes
+    x = np.zeros((3, 2), np.float32)
+    ds = tf.data.Dataset.from_tensor_slices((x, y))
+    assert kpipe.data.class_weights(ds, batched=False) == pytest.approx({0: 0.75, 1: 1.5})
+    ids = tf.data.Dataset.from_tensor_slices((np.zeros((4, 1), np.float32), np.array([0, 1, 1, 1]))).batch(2)
+    assert kpipe.data.class_weights(ids, batched=True) == pytest.approx({0: 2.0, 1: 2 / 3})
+    with pytest.raises(ValueError, match=r"`batched` must be True, False or None\. Received: batched='yes'"):
+        kpipe.data.class_weights(ds, batched="yes")
+
+
+def test_skipped_files_are_not_counted(tmp_path):
+    for c, n in (("a", 3), ("b", 2)):
+        (tmp_path / c).mkdir()
+        for i in range(n):
+            (tmp_path / c / f"{i}.png").write_bytes(tf.io.encode_png(np.zeros((4, 4, 3), np.uint8)).numpy())
+    (tmp_path / "b" / "broken.png").write_bytes(b"not a png")
+    ds = kpipe.data.from_files(tmp_path, image_size=(4, 4), on_error="skip")
+    assert kpipe.data.class_weights(ds) == pytest.approx({0: 5 / 6, 1: 5 / 4})  # what ds yields
+    strict = kpipe.data.from_files(tmp_path, image_size=(4, 4))
+    assert kpipe.data.class_weights(strict) == pytest.approx({0: 1.0, 1: 1.0})  # labels only: 3 + 3
+
+
+def test_a_sharded_source_counts_the_whole_source(tmp_path):
+    y = np.array([0, 0, 0, 1, 1, 2])
+    want = kpipe.data.class_weights(y)
+    x = np.zeros((6, 2), np.float32)
+    for index in range(2):
+        shard = kpipe.data.from_numpy(x, y, num_shards=2, index=index)
+        assert kpipe.data.class_weights(shard) == pytest.approx(want)
+    for c, n in (("a", 2), ("b", 1)):
+        (tmp_path / c).mkdir()
+        for i in range(n):
+            (tmp_path / c / f"{i}.png").write_bytes(tf.io.encode_png(np.zeros((4, 4, 3), np.uint8)).numpy())
+    skip_shard = kpipe.data.from_files(tmp_path, image_size=(4, 4), on_error="skip", num_shards=2, index=1)
+    assert kpipe.data.class_weights(skip_shard) == pytest.approx({0: 0.75, 1: 1.5})

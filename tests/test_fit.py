@@ -133,3 +133,94 @@ def test_pydataset_from_a_module_importing_keras_does_not_make_workers_import_te
         flags = [loader[i][1] for i in range(4)]
         assert [int(loader[i][0][0, 0]) for i in range(4)] == [0, 1, 2, 3]
     assert not any(f.any() for f in flags), flags
+
+
+# -- issue 51: fit_generator keeps Keras 2's steps: steps_per_epoch batches a epoch, across pass ends
+
+
+class _Recorder(keras.Model):
+    """Records the batch id (x[0, 0]) of every training step; runs eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.seen = []
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        self.seen.append(int(data[0][0, 0]))
+        return super().train_step(data)
+
+
+class _StepsPerEpoch(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.steps.append(0)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps[-1] += 1
+
+
+def _recorder():
+    keras.utils.set_random_seed(0)
+    model = _Recorder()
+    model.compile(keras.optimizers.SGD(0.01), "mse", run_eagerly=True)
+    return model
+
+
+@pytest.mark.parametrize("workers, use_multiprocessing", [(0, False), (2, True)])
+def test_fit_generator_draws_steps_per_epoch_across_the_end_of_the_sequence(workers, use_multiprocessing, no_leaks):
+    from _keras_datasets import BatchIds, ReplacingIds
+
+    model, steps = _recorder(), _StepsPerEpoch()
+    kpipe.fit_generator(model, BatchIds(n=7), steps_per_epoch=3, epochs=3, verbose=0, shuffle=False,
+                        callbacks=[steps], workers=workers, use_multiprocessing=use_multiprocessing)
+    assert steps.steps == [3, 3, 3]  # Keras 2; plain Keras 3 fit() trains 3, 3, 1
+    assert model.seen == [0, 1, 2, 3, 4, 5, 6, 0, 1]
+    # the Sequence's on_epoch_end runs at each end of a pass (Keras 2's OrderedEnqueuer): the
+    # next pass reads the order it made
+    model, steps = _recorder(), _StepsPerEpoch()
+    kpipe.fit_generator(model, ReplacingIds(n=4), steps_per_epoch=3, epochs=3, verbose=0, shuffle=False,
+                        callbacks=[steps], workers=workers, use_multiprocessing=use_multiprocessing)
+    order1 = np.random.default_rng(1).permutation(4).tolist()
+    order2 = np.random.default_rng(2).permutation(4).tolist()
+    assert steps.steps == [3, 3, 3]
+    assert model.seen == [0, 1, 2, 3] + order1 + order2[:1]
+
+
+def test_fit_generator_steps_longer_than_the_sequence_and_initial_epoch(no_leaks):
+    from _keras_datasets import BatchIds
+
+    model, steps = _recorder(), _StepsPerEpoch()
+    kpipe.fit_generator(model, BatchIds(n=4), steps_per_epoch=6, epochs=2, verbose=0, shuffle=False,
+                        callbacks=[steps], workers=0)
+    assert steps.steps == [6, 6] and model.seen == [0, 1, 2, 3] * 3
+    # a resumed run (initial_epoch) trains on what the uninterrupted run's later epochs had
+    model = _recorder()
+    kpipe.fit_generator(model, BatchIds(n=4), steps_per_epoch=3, epochs=3, initial_epoch=1, verbose=0,
+                        shuffle=False, workers=0)
+    assert model.seen == [3, 0, 1, 2, 3, 0]
+    # shuffled: every pass is a permutation, passes follow one another whatever the epochs cut
+    model = _recorder()
+    kpipe.fit_generator(model, BatchIds(n=5), steps_per_epoch=2, epochs=5, verbose=0, shuffle=True, seed=3,
+                        workers=2, use_multiprocessing=True)
+    assert sorted(model.seen[:5]) == sorted(model.seen[5:]) == list(range(5))
+
+
+def test_endless_view_serves_the_spec_reads_again_and_refuses_a_pass_already_left():
+    from _keras_datasets import BatchIds
+
+    from kpipe.fit import _Passes
+
+    with kpipe.ProcessLoader(BatchIds(n=3), workers=0) as loader:
+        view = _Passes(loader)
+        assert view.num_batches is None
+        ids = [int(view[i][0][0, 0]) for i in (0, 1, 0, 1, 2, 3, 4)]  # Keras: 2 spec reads, then from 0
+        assert ids == [0, 1, 0, 1, 2, 0, 1]
+        with pytest.raises(RuntimeError, match=r"asked for batch 2 of its endless view after batch 3 of a later pass"):
+            view[2]

@@ -157,7 +157,9 @@ class _FileSource(Source):
         self.on_error = on_error
 
     def labels(self):
-        return self.label_array
+        # With on_error="skip" the samples are the files that decode, known only by decoding:
+        # None makes `class_weights` read the labels the dataset yields.
+        return self.label_array if self.on_error == "raise" else None
 
     def build(self, shard, shuffle=False, seed=None):
         import tensorflow as tf

@@ -65,17 +65,25 @@ def pipeline(
             arrays out; unpacked like `Dataset.map`) in kpipe worker processes, after
             `map_fn` and batching, one batch per hand-off, in order. It is sent with
             cloudpickle (lambdas and notebook functions work) and called once in this
-            process to learn its output shapes, unless `py_output_signature` is given.
-            Its outputs must have the same shape for every sample. The workers are kept
-            between epochs and stopped after 30 s without use. Defaults to None.
+            process to learn its output shapes and dtypes, unless `py_output_signature`
+            is given (that probe reads the first sample of `ds`: an iteration of `ds`,
+            which advances a seeded shuffle made inside `ds` itself, not kpipe's). Its outputs must have the same shape and dtype for every sample
+            (a dtype change is a `TypeError` naming the element, as tf.data refuses it).
+            The workers are kept between epochs and stopped after 30 s without use.
+            Defaults to None.
         workers: Worker processes for `py_map_fn`. Each one's BLAS/OpenMP/OpenCV
             thread pools get `max(1, CPUs // workers)` threads (as `ProcessLoader`'s
             `worker_threads`). Defaults to None (one per CPU core).
         shuffle: Shuffle buffer in samples, True for a default buffer (10,000 samples, or
             fewer so that it holds at most ~512 MiB), or None/False/0 for no shuffling.
             Defaults to None.
-        seed: Seed of the shuffle (and of the `py_map_fn` workers' `random`/`numpy.random`).
-            Required when shuffling a sharded dataset. Defaults to None.
+        seed: Seed of the shuffle and of `py_map_fn`'s randomness: `random` and
+            `numpy.random` are reseeded before each element from `(seed, iteration,
+            element index)` (~11 us an element), so a seeded pipeline gives the same
+            output whatever `workers` is (0 included) and, with `deterministic=True`,
+            whatever the timing; each iteration of the dataset (epoch) draws anew. A generator made inside `py_map_fn`
+            (`np.random.default_rng()`) is the function's own. Required when shuffling
+            a sharded dataset. Defaults to None (`py_map_fn`'s generators not reseeded).
         cache: True or "memory" to cache samples in memory after the first epoch, a file
             path to cache them on disk (".shard-I-of-N" is appended when sharded), or
             None/False. Defaults to None.
@@ -92,7 +100,7 @@ def pipeline(
             (max(16, 2 * CPU cores)).
         timeout: Seconds to wait for one `py_map_fn` batch before raising. Defaults to 120.
         py_output_signature: Per-sample `tf.TensorSpec` (nest) of `py_map_fn`'s output;
-            skips the probe call. Defaults to None.
+            skips the probe call, and outputs are cast to its dtypes. Defaults to None.
 
     Returns:
         A `tf.data.Dataset` of batches, ready for `model.fit`.
@@ -137,6 +145,10 @@ def pipeline(
     elif shard.sharded:
         ds = ds.shard(shard.num_shards, shard.index)
     sample_ds = ds
+    if source is not None and shuffling and not cache and py_map_fn is not None and py_output_signature is None:
+        # py_map_fn's probe reads a sample from a build of its own: reading `ds` would advance
+        # its seeded block order by one iteration, and the first epoch would get the second's.
+        sample_ds = source.build(shard)
     if cache:
         ds = ds.cache() if cache is True or cache == "memory" else ds.cache(_cache_path(cache, shard))
     if shuffling:
@@ -164,6 +176,7 @@ def pipeline(
             seed=seed,
             output_signature=signature,
             options=options,
+            declared=py_output_signature is not None,
         )
     elif workers is not None:
         warnings.warn("`workers` is ignored without `py_map_fn`. Remove it or pass a `py_map_fn`.", stacklevel=2)

@@ -12,7 +12,13 @@ processes instead:
       -> yielded back to tf.data, in input order  (prefetch overlaps the next batches)
 
 A whole batch travels per hand-off, so the per-item cost (a socket message and two
-copies) is paid once per batch. Each iteration of the dataset borrows the pool's idle
+copies) is paid once per batch, with its position: `(iteration, index of its first
+element)`. With a `seed`, the worker reseeds `random` and `numpy.random` before each
+sample from `(seed, iteration, element index)` (`BatchApply`), so a sample's random draws
+depend only on where it stands -- not on the worker, the worker count (0 included: then
+this process's generators are reseeded, as `fn` draws from them there anyway), the batch
+size or the timing. `iteration` counts the iterations of the dataset (a new Keras epoch is
+a new one), as a seeded `shuffle(reshuffle_each_iteration=True)` does. Each iteration of the dataset borrows the pool's idle
 `ProcessMapper` (or starts one); it is given back when the iteration ends -- also when the
 consumer stops early, in which case batches still in flight are discarded -- and closed
 instead if it broke (a worker died or timed out). Idle workers are stopped after
@@ -31,7 +37,7 @@ from kpipe.data._pybatch import BatchApply, flatten, unflatten
 _IDLE_CLOSE_S = 30.0
 
 
-def py_map(batched, fn, *, workers, timeout, seed, output_signature, options):
+def py_map(batched, fn, *, workers, timeout, seed, output_signature, options, declared=False):
     """Returns `batched` with `fn` applied to every sample in worker processes.
 
     Args:
@@ -39,9 +45,11 @@ def py_map(batched, fn, *, workers, timeout, seed, output_signature, options):
         fn: The per-sample function (NumPy in, NumPy out).
         workers: Worker processes.
         timeout: Seconds to wait for one batch.
-        seed: Seed of the workers' `random`/`numpy.random`, or None.
+        seed: Seed of every sample's `random`/`numpy.random` (see the NOTE above), or None.
         output_signature: Per-sample `tf.TensorSpec` nest of `fn`'s output.
         options: `tf.data.Options` for the upstream dataset (iterated separately).
+        declared: `output_signature` was given by the user: outputs are cast to its
+            dtypes instead of having to match them. Defaults to False.
     """
     import tensorflow as tf
 
@@ -51,13 +59,15 @@ def py_map(batched, fn, *, workers, timeout, seed, output_signature, options):
     batch_signature = tf.nest.map_structure(
         lambda s: tf.TensorSpec((batch_dim,) + tuple(s.shape), s.dtype), output_signature
     )
-    pool = _MapperPool(BatchApply(fn, dtypes), workers=workers, timeout=timeout, seed=seed)
+    apply = BatchApply(fn, dtypes, cast=declared, seed=seed)
+    pool = _MapperPool(apply, workers=workers, timeout=timeout, seed=seed)
     upstream = batched.with_options(options)
 
     def generate():
+        iteration = pool.next_iteration()
         mapper = pool.acquire()
         try:
-            for out in mapper.imap(upstream.as_numpy_iterator()):
+            for out in mapper.imap(_with_positions(upstream.as_numpy_iterator(), iteration)):
                 yield out
         finally:
             pool.release(mapper)
@@ -68,6 +78,16 @@ def py_map(batched, fn, *, workers, timeout, seed, output_signature, options):
         ds = ds.apply(tf.data.experimental.assert_cardinality(cardinality))
     ds._kpipe_mapper_pool = pool  # keeps the pool as long as the dataset object; for tests
     return ds
+
+
+def _with_positions(batches, iteration):
+    """Yields `(batch, [iteration, first])`, `first` the index of the batch's first element."""
+    import numpy as np
+
+    first = 0
+    for batch in batches:
+        yield batch, np.array([iteration, first], np.int64)
+        first += len(flatten(batch)[1][0])
 
 
 def infer_signature(fn, sample):
@@ -96,6 +116,7 @@ class _MapperPool:
         self._lock = threading.Lock()
         self._idle = []
         self._timer = None
+        self._iterations = 0
         self._finalizer = weakref.finalize(self, _close_all, self._idle, self._lock)
 
     def acquire(self):
@@ -106,6 +127,12 @@ class _MapperPool:
             if self._idle:
                 return self._idle.pop()
         return ProcessMapper(self._fn, **self._kwargs)
+
+    def next_iteration(self):
+        """The index of an iteration of the dataset that starts now (0 first)."""
+        with self._lock:
+            self._iterations += 1
+            return self._iterations - 1
 
     def release(self, mapper):
         if mapper.closed:

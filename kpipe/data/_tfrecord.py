@@ -19,7 +19,10 @@ def from_tfrecord(
 
     Files are read several at a time (parallel interleave) and records are parsed in
     parallel, in vectorized batches (`tf.io.parse_example`) split back into single samples
-    (one by one when `features` has sparse features). With as many files as shards or more, shards get whole files (file `i` to
+    -- one by one when `features` has a `VarLenFeature`, `SparseFeature`,
+    `FixedLenSequenceFeature` or `RaggedFeature`, so that every sample is exactly
+    `tf.io.parse_single_example`'s, values and spec (a sequence keeps its own length,
+    never padded to its neighbours'). With as many files as shards or more, shards get whole files (file `i` to
     shard `i % num_shards`); with fewer files, every shard reads the files and keeps every
     `num_shards`-th record (exactly once per sample, but each shard reads all bytes, and a
     warning says so).
@@ -139,8 +142,12 @@ class _RecordSource(Source):
             target = parsed.pop(label)
             return parsed, target
 
-        if any(isinstance(f, (tf.io.VarLenFeature, tf.io.SparseFeature)) for f in features.values()):
-            # Sparse outputs of a vectorized parse keep the batch's dense shape: parse one by one.
+        one_by_one = (tf.io.VarLenFeature, tf.io.SparseFeature, tf.io.FixedLenSequenceFeature, tf.io.RaggedFeature)
+        if any(isinstance(f, one_by_one) for f in features.values()):
+            # A vectorized parse pads sequence features to the longest record of its batch,
+            # sparse outputs keep the batch's dense shape, and ragged ones split back into
+            # ragged-rank-0 RaggedTensors: parse one by one, so that each sample is what
+            # `tf.io.parse_single_example` gives (values and spec), whatever its neighbours.
             return ds.map(
                 lambda r: split(tf.io.parse_single_example(r, features)),
                 num_parallel_calls=tf.data.AUTOTUNE,

@@ -2,12 +2,15 @@
 
 import numpy as np
 
+from kpipe.data._sharding import ShardSpec
 from kpipe.data._source import source_of
 
 _MODES = ("balanced", "sqrt")
+# Samples per label batch when an unbatched dataset's labels are read.
+_LABEL_BATCH = 4096
 
 
-def class_weights(labels_or_dataset, mode="balanced", *, num_classes=None):
+def class_weights(labels_or_dataset, mode="balanced", *, num_classes=None, batched=None):
     """Returns `{class: weight}` for `model.fit(class_weight=...)`.
 
     With `mode="balanced"` a class seen `n_c` times out of `n` samples over `k` present
@@ -16,22 +19,36 @@ def class_weights(labels_or_dataset, mode="balanced", *, num_classes=None):
     square root of that, a milder correction.
 
     For a dataset made by a kpipe source (`from_hdf5`, `from_numpy`, `from_files`), only the
-    labels are read. Any other `tf.data.Dataset` is iterated once: its elements (or batches)
-    must be `(x, y)` or `(x, y, sample_weight)` with integer (or one-hot) `y`.
+    labels are read (`from_files(on_error="skip")` is decoded, so that only the files the
+    dataset yields count). A source's shard counts the *whole* source: every worker of a
+    sharded job gets the same weights, those of the full training set. Any other
+    `tf.data.Dataset` is iterated once: its elements (or batches) must be `(x, y)` or
+    `(x, y, sample_weight)` with integer (or one-hot) `y`.
+
+    Whether a dataset's elements are samples or batches, and so whether a label vector is
+    one sample's one-hot row or a batch of class ids, is read from its `element_spec`,
+    never from label values: labels of rank 0 are samples; an unknown first dimension or
+    labels of rank 2 are batches; labels of rank 1 of static length are a batch when every
+    component of the element has that same first dimension, else one-hot samples. Pass
+    `batched` where that rule cannot know (e.g. unbatched `x` of shape `(k,)` beside
+    one-hot `y` of shape `(k,)`).
 
     Args:
         labels_or_dataset: Integer class labels (any array-like of shape `(n,)` or `(n, 1)`),
             one-hot labels of shape `(n, k)`, or a `tf.data.Dataset` as above.
         mode: "balanced" or "sqrt". Defaults to "balanced".
         num_classes: If given, classes must be in `[0, num_classes)`. Defaults to None.
+        batched: For a `tf.data.Dataset` other than a kpipe source: True if its elements
+            are batches, False if they are single samples. Defaults to None (read from
+            its `element_spec` as above).
 
     Returns:
         A dict from each class that occurs to its float weight. Classes that never occur are
         left out (Keras gives them weight 1.0).
 
     Raises:
-        ValueError: for an unknown `mode`, no labels, negative or non-integer labels, or
-            labels outside `[0, num_classes)`.
+        ValueError: for an unknown `mode` or `batched`, no labels, negative or non-integer
+            labels, or labels outside `[0, num_classes)`.
 
     Example:
 
@@ -41,7 +58,12 @@ def class_weights(labels_or_dataset, mode="balanced", *, num_classes=None):
     """
     if mode not in _MODES:
         raise ValueError(f"`mode` must be one of {_MODES}. Received: mode={mode!r}.")
-    labels = _labels(labels_or_dataset)
+    if batched not in (None, True, False):
+        raise ValueError(
+            f"`batched` must be True, False or None. Received: batched={batched!r}. Use None to "
+            "read it from the dataset's element_spec."
+        )
+    labels = _labels(labels_or_dataset, batched)
     if labels.size == 0:
         raise ValueError("`labels_or_dataset` has no labels. Pass at least one sample.")
     if labels.dtype.kind == "f":
@@ -69,14 +91,18 @@ def class_weights(labels_or_dataset, mode="balanced", *, num_classes=None):
     return {int(c): float(w) for c, w in zip(present, weights)}
 
 
-def _labels(value):
+def _labels(value, batched):
     record = source_of(value)
     if record is not None:
-        labels = record[0].labels()
+        source = record[0]
+        labels = source.labels()
         if labels is not None:
             return _squeeze(np.asarray(labels))
+        # Labels known only by reading the samples: read the whole source (see docstring),
+        # whose elements are single samples.
+        return _dataset_labels(source.build(ShardSpec()), False)
     if _is_dataset(value):
-        return _dataset_labels(value)
+        return _dataset_labels(value, batched)
     if isinstance(value, dict):
         raise TypeError(
             "`labels_or_dataset` must be labels or a tf.data.Dataset, not a dict. Received a dict "
@@ -107,28 +133,40 @@ def _is_dataset(value):
     return isinstance(value, tf.data.Dataset)
 
 
-def _dataset_labels(ds):
+def _dataset_labels(ds, batched):
     spec = ds.element_spec
     if not isinstance(spec, tuple) or len(spec) < 2 or not hasattr(spec[1], "shape"):
         raise ValueError(
             "A dataset passed to `class_weights` must yield (x, y) or (x, y, sample_weight) with "
             f"one label tensor y. Received elements with spec {str(spec)[:200]}. Pass the labels instead."
         )
-    shape = spec[1].shape
-    batched = shape.rank is not None and shape.rank >= 1 and shape[0] is None
-    parts = [
-        _squeeze(np.asarray(y)) if batched else _element_labels(np.asarray(y))
-        for y in ds.map(lambda *e: e[1]).as_numpy_iterator()
-    ]
+    if batched is None:
+        batched = _is_batched(spec)
+    labels = ds.map(lambda *e: e[1])
+    if not batched:  # samples: read them in batches, each a batch of per-sample labels
+        labels = labels.batch(_LABEL_BATCH)
+    parts = [_squeeze(np.asarray(y)) for y in labels.as_numpy_iterator()]
     return np.concatenate(parts) if parts else np.zeros((0,), np.int64)
 
 
-def _element_labels(y):
-    """Labels of one element of static shape: a sample's id or one-hot row, or a batch of ids."""
-    if y.ndim == 1 and _is_one_hot(y):  # one sample's one-hot row
-        return np.argmax(y).reshape(1)
-    return _squeeze(y)
+def _is_batched(spec):
+    """Whether elements of `spec` (`(x, y[, w])`) are batches, from their declared shapes only."""
+    import tensorflow as tf
 
-
-def _is_one_hot(row):
-    return row.dtype.kind == "f" and row.size > 1 and np.all((row == 0) | (row == 1)) and row.sum() == 1
+    shape = spec[1].shape
+    if shape.rank is None:
+        raise ValueError(
+            f"The labels of the dataset have unknown rank (spec {spec[1]}), so class_weights cannot "
+            "tell samples from batches. Pass batched=True or batched=False."
+        )
+    if shape.rank == 0:
+        return False
+    if shape[0] is None or shape.rank >= 2:
+        return True
+    leading = set()
+    for s in tf.nest.flatten(spec):
+        s_shape = getattr(s, "shape", None)
+        if s_shape is None or s_shape.rank is None or s_shape.rank == 0:
+            return False
+        leading.add(s_shape[0])
+    return len(leading) == 1
