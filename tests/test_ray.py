@@ -869,7 +869,7 @@ def test_generated_datasets_give_through_actors_what_they_give_serially(cluster,
     s = spec(seed)
     path = _memmap_file(tmp_path)
     want = serial_errors(run_serial(s, path)[0])
-    workers = kpipe.RayWorkers(2, resources=HERE if where == "here" else TAGGED)
+    workers = kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE) if where == "here" else kpipe.RayWorkers(2, resources=TAGGED)
     (passes, held), _ = run_loader(s, path, workers=workers)
     assert normalise_errors(passes) == want, describe(s)
     assert all(held), describe(s)
