@@ -28,14 +28,13 @@ import threading
 import time
 import weakref
 
-import numpy as np
-
 from kpipe import _compat, _dataset_api, _stream
 from kpipe._engine import _ahead, _pickling, _tree, _unsent
 from kpipe._engine._local import InlineBackend, ThreadBackend
 from kpipe._engine._pool import ProcessBackend
 from kpipe._engine._ray import RayBackend
 from kpipe._engine._position import Position
+from kpipe._engine._shm import as_dtype
 from kpipe._engine._window import _UNSET, Window
 from kpipe.errors import LoaderClosedError
 
@@ -159,7 +158,7 @@ class Reader:
             if key[1] == 0 and key[0] == self._completed_before:  # the start of the pass after one completed here
                 self.stats["pass_start_wait_s"] += self.stats["wait_s"] - waited
         try:
-            self._checker.check(entry.index, treedef, meta)
+            batch = self._checker.check(entry.index, treedef, meta, batch)  # (dtypes cast to batch 0's)
             self._account(meta)
         except BaseException:
             window.queue.pop(key, None)
@@ -491,7 +490,7 @@ class Reader:
         st["batches"] += 1
         if meta and len(meta[0][1]):
             st["samples"] += int(meta[0][1][0])
-        nbytes = sum(math.prod(s) * np.dtype(d).itemsize for d, s in meta)
+        nbytes = sum(math.prod(s) * as_dtype(d).itemsize for d, s in meta)
         st["bytes"] += nbytes
         st["last_batch_bytes"] = nbytes
         if st["first_batch_s"] is None:

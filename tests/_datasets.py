@@ -92,8 +92,8 @@ class Failing:
                 return np.array(["a", "b"]), np.zeros(2)
             if self.how == "structure":
                 return np.zeros((2, 1)), np.zeros(2), np.zeros(2)
-            if self.how == "dtype":
-                return np.zeros((2, 1), dtype="float64"), np.zeros(2)
+            if self.how == "dtype":  # (float64 would be cast to batch 0's float32, as Keras casts it)
+                return np.zeros((2, 1), dtype="complex128"), np.zeros(2)
             if self.how == "rank":
                 return np.zeros((2, 1, 1), dtype="float32"), np.zeros(2)
         return np.zeros((2, 1), dtype="float32") + i, np.zeros(2)

@@ -11,6 +11,7 @@ import time
 import weakref
 
 from kpipe._engine import _tree, _wire
+from kpipe._engine._shm import dtype_token
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._backend import Backend
 from kpipe.errors import BatchTimeoutError, LoaderClosedError
@@ -142,7 +143,7 @@ def _in_process_result(out):
     """`(tree, treedef, meta)` for a batch made in this process (threads, inline): the same
     validation and leaf conversion as a worker's, without shared memory."""
     treedef, leaves, _ = _tree.flatten(out)
-    return _tree.unflatten(treedef, leaves), treedef, [(a.dtype.str, a.shape) for a in leaves]
+    return _tree.unflatten(treedef, leaves), treedef, [(dtype_token(a.dtype), a.shape) for a in leaves]
 
 
 def _add_note(exc, note):

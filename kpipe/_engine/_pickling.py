@@ -258,8 +258,9 @@ def dumps(obj, shared=None, what=None):
     except Exception as exc:
         if is_fd_exhaustion(exc):
             raise fd_limit_error(exc, f"send {what} to its workers") from exc
+        where = _find_unpicklable(obj)
         raise DatasetPicklingError(
-            f"{what} cannot be pickled to send it to worker processes: "
+            f"{what} cannot be pickled to send it to worker processes{where}: "
             f"{type(exc).__name__}: {exc}. Objects such as open files, locks, sockets or "
             "database connections must be created lazily inside __getitem__ (once per "
             "process), or pass use_threads=True / workers=0 to keep the dataset in this process."
@@ -365,6 +366,73 @@ def _find_attribute(root, target):
                 if v is target:
                     return f" in `self.{name}[{k!r}]`"
     return ""
+
+
+def _find_unpicklable(root, max_depth=4, max_items=2000):
+    """' -- `self.guard` (a lock)' for the deepest attribute path (through attributes,
+    dict values, list/tuple items) whose value cloudpickle refuses, or '' if none is found
+    within `max_depth` levels and `max_items` values tried. Run once, when pickling failed."""
+    budget = [max_items]
+
+    def refused(value):
+        budget[0] -= 1
+        try:
+            cloudpickle.dumps(value)
+        except Exception:
+            return True
+        return False
+
+    def children(value):
+        if isinstance(value, dict):
+            return [(f"[{k!r}]", v) for k, v in list(value.items())[:100]]
+        if isinstance(value, (list, tuple)):
+            return [(f"[{i}]", v) for i, v in enumerate(value[:100])]
+        attrs = getattr(value, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(value, type):
+            return [(f".{k}", v) for k, v in attrs.items()]
+        return []
+
+    def walk(value, path, depth):
+        if depth >= max_depth or budget[0] <= 0:
+            return path
+        for part, child in children(value):
+            if budget[0] > 0 and refused(child):
+                return walk(child, path + part, depth + 1)
+        return path
+
+    try:
+        path = walk(root, "self", 0)
+    except Exception:  # (a value whose attributes cannot even be read)
+        return ""
+    if path == "self":
+        return ""
+    leaf = root
+    try:
+        for part, child in _follow(root, path[4:]):
+            leaf = child
+    except Exception:
+        return f" -- `{path}`"
+    return f" -- `{path}` ({_short(leaf, 60)}, a {type(leaf).__module__}.{type(leaf).__qualname__})"
+
+
+def _follow(root, rest):
+    """(part, value) along an attribute path made by `_find_unpicklable` (after 'self')."""
+    import re
+
+    value = root
+    for part in re.findall(r"\.[A-Za-z_][A-Za-z0-9_]*|\[[^\]]*\]", rest):
+        if part.startswith("."):
+            value = getattr(value, part[1:])
+        else:
+            key = part[1:-1]
+            value = value[int(key)] if isinstance(value, (list, tuple)) else value[_literal(key)]
+        yield part, value
+
+
+def _literal(text):
+    import ast
+
+    return ast.literal_eval(text)
 
 
 def _short(value, limit=100):

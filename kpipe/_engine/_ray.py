@@ -505,7 +505,7 @@ class RayBackend(Backend):
             return outcome
         treedef, leaves, timings, slot = value
         if slot is None:
-            return "ok", (treedef, leaves, [(a.dtype.str, a.shape) for a in leaves], timings)
+            return "ok", (treedef, leaves, [(_shm.dtype_token(a.dtype), a.shape) for a in leaves], timings)
         views = self._slot_views(slot, actor)
         if views is None:
             self._released.append((slot[2], slot[0]))

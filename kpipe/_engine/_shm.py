@@ -402,7 +402,7 @@ class Segment:
         self.reserve(max((o + n for o, n, _, _ in layout), default=0))
         for arr, (offset, nbytes, dtype, shape) in zip(leaves, layout):
             if nbytes:
-                dst = np.ndarray(shape, dtype=dtype, buffer=self._buf, offset=offset)
+                dst = np.ndarray(shape, dtype=as_dtype(dtype), buffer=self._buf, offset=offset)
                 np.copyto(dst, arr, casting="no")
 
     def views(self, layout, lease=None, writable=False):
@@ -414,12 +414,15 @@ class Segment:
         self._map(end)
         out = []
         for offset, nbytes, dtype, shape in layout:
+            dtype = as_dtype(dtype)
             if nbytes == 0:
                 arr = np.empty(shape, dtype=dtype)
             else:
                 arr = np.ndarray(shape, dtype=dtype, buffer=self._buf, offset=offset)
                 if lease is not None:
-                    arr = np.asarray(_LeasedBuffer(arr, lease))
+                    leased = np.asarray(_LeasedBuffer(arr, lease))
+                    # (the interface names an ml_dtypes type by its bytes, '<V2': view it as itself)
+                    arr = leased if leased.dtype == dtype else leased.view(dtype)
             if not writable:
                 arr.flags.writeable = False
             out.append(arr)
@@ -447,6 +450,22 @@ class Segment:
         self.close_fd()
 
 
+def dtype_token(dtype):
+    """How a layout names `dtype`: its `str` (`'<f4'`), or the name of an `ml_dtypes` type
+    (`'bfloat16'`: its `str` would be `'<V2'`, bytes without a meaning). `as_dtype` inverts it."""
+    return dtype.name if type(dtype).__module__ == "ml_dtypes" else dtype.str
+
+
+def as_dtype(token):
+    """The dtype a layout's `token` names (`dtype_token`); imports `ml_dtypes` for its names."""
+    try:
+        return np.dtype(token)
+    except TypeError:
+        import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with NumPy)
+
+        return np.dtype(token)
+
+
 def plan_layout(leaves, placed=None, start=0):
     """`[(offset, nbytes, dtype_str, shape)]` for `leaves`, each aligned to 64 bytes.
 
@@ -459,7 +478,7 @@ def plan_layout(leaves, placed=None, start=0):
         at = placed[i] if placed is not None else None
         if at is None:
             at, offset = offset, align(offset + nbytes)
-        layout.append((at, nbytes, arr.dtype.str, tuple(arr.shape)))
+        layout.append((at, nbytes, dtype_token(arr.dtype), tuple(arr.shape)))
     return layout
 
 

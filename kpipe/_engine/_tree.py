@@ -4,9 +4,19 @@ A batch is a tree: tuples, lists and dicts (string keys) nest; leaves are NumPy 
 (or anything `np.asarray` turns into a numeric or bool array); `None` is allowed as an
 empty node, as Keras allows `(x, y, None)`. The structure ("treedef") is a small nested
 tuple of plain Python values, so it pickles cheaply and compares with `==`.
+
+As Keras takes them: a dict's keys are a set (they name model inputs and outputs), so a
+treedef lists them sorted and a batch comes back with its keys in that order, whatever
+order `__getitem__` inserted them in (a dict built from a `set` iterates in another
+order in each worker process); an array in non-native byte order (`>f4`) is handed over
+in native order (Keras's tensors are native: DLPack refuses the other); dtypes that
+change between batches are cast to batch 0's where NumPy casts them within a kind
+(`StructureChecker.check`), as Keras casts every batch to the model's input dtype.
 """
 
 import numpy as np
+
+from kpipe._engine._shm import as_dtype, dtype_token
 
 from kpipe.errors import BatchStructureError
 
@@ -31,19 +41,21 @@ def _flatten(node, path, leaves, paths):
     if node is None:
         return _NONE
     if isinstance(node, dict):
-        keys = list(node)
-        for k in keys:
+        for k in node:
             if not isinstance(k, str):
                 raise BatchStructureError(
                     f"{path} is a dict with key {k!r} of type {type(k).__name__}; batch dicts "
                     "must have string keys (they name model inputs/outputs)."
                 )
+        keys = sorted(node)  # (a set of names: see the module docstring)
         return ("dict", tuple(keys), tuple(_flatten(node[k], f"{path}[{k!r}]", leaves, paths) for k in keys))
     if isinstance(node, (tuple, list)):
         kind = "tuple" if isinstance(node, tuple) else "list"
         return (kind, tuple(_flatten(v, f"{path}[{i}]", leaves, paths) for i, v in enumerate(node)))
     arr = node if isinstance(node, np.ndarray) else _as_array(node, path)
-    if arr.dtype.kind not in _OK_KINDS:
+    if not arr.dtype.isnative:  # big-endian on a little-endian host, or the reverse
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    if arr.dtype.kind not in _OK_KINDS and type(arr.dtype).__module__ != "ml_dtypes":  # (bfloat16 & co.: raw bytes too)
         raise BatchStructureError(
             f"{path} has dtype {arr.dtype} (received {_short(node)}). kpipe hands batches over "
             "as raw numeric memory: return numeric or bool NumPy arrays, e.g. encode strings "
@@ -54,7 +66,22 @@ def _flatten(node, path, leaves, paths):
     return _LEAF
 
 
+_COMPOSITE = {  # tensors NumPy cannot hold as one array: what they are, what to do
+    "SparseTensor": "a tf.SparseTensor (indices, values, dense_shape)",
+    "RaggedTensor": "a tf.RaggedTensor (rows of different lengths)",
+}
+
+
 def _as_array(node, path):
+    kind = _COMPOSITE.get(type(node).__name__)
+    if kind is not None and type(node).__module__.startswith("tensorflow"):
+        raise BatchStructureError(
+            f"{path} is {kind}. kpipe hands batches over as dense arrays in shared memory and "
+            "carries no sparse or ragged tensors: return it dense (tf.sparse.to_dense(x) / "
+            "x.to_tensor(), then .numpy()), padded to a length with a mask or sequence lengths "
+            "beside it, or its component arrays as separate leaves that the model reassembles; "
+            "or load it with workers=0 (plain Keras's path)."
+        )
     if hasattr(node, "numpy") and callable(node.numpy):  # a tf.Tensor / EagerTensor
         node = node.numpy()
     try:
@@ -132,15 +159,18 @@ class StructureChecker:
         self._name = dataset_name
         self._ref = None  # (position, treedef, [(dtype_str, shape)])
 
-    def check(self, position, treedef, meta):
-        """`meta` is a list of `(dtype_str, shape)` per leaf.
+    def check(self, position, treedef, meta, batch=None):
+        """`meta` is a list of `(dtype_str, shape)` per leaf. Returns `batch` (the batch of
+        `treedef`), its leaves whose dtype differs from batch 0's cast to batch 0's dtype
+        where NumPy casts within a kind (`same_kind`: float64 to float32, int32 to int64),
+        as Keras casts every batch to the model's input dtype; `meta` is updated to match.
 
         Raises:
             BatchStructureError: naming the batch, the leaf and both values.
         """
         if self._ref is None:
             self._ref = (position, treedef, list(meta))
-            return
+            return batch
         ref_pos, ref_td, ref_meta = self._ref
         if treedef != ref_td:
             raise BatchStructureError(
@@ -149,16 +179,27 @@ class StructureChecker:
                 "return the same tuple/dict layout from every __getitem__ call."
             )
         paths = leaf_paths(treedef)
-        for path, (dt, shape), (rdt, rshape) in zip(paths, meta, ref_meta):
+        casts = {}
+        for k, (path, (dt, shape), (rdt, rshape)) in enumerate(zip(paths, meta, ref_meta)):
             if dt != rdt:
-                raise BatchStructureError(
-                    f"Batch {position} of `{self._name}` has {path} with dtype "
-                    f"{np.dtype(dt)} but batch {ref_pos} had {np.dtype(rdt)}. Cast it to "
-                    f"{np.dtype(rdt)} in __getitem__ so all batches share one dtype."
-                )
+                if batch is None or not np.can_cast(as_dtype(dt), as_dtype(rdt), casting="same_kind"):
+                    raise BatchStructureError(
+                        f"Batch {position} of `{self._name}` has {path} with dtype "
+                        f"{as_dtype(dt)} but batch {ref_pos} had {as_dtype(rdt)}, which NumPy does not "
+                        f"cast it to within a kind. Cast it to {as_dtype(rdt)} in __getitem__ so all "
+                        "batches share one dtype."
+                    )
+                casts[k] = as_dtype(rdt)
             if len(shape) != len(rshape):
                 raise BatchStructureError(
                     f"Batch {position} of `{self._name}` has {path} with shape {tuple(shape)} "
                     f"but batch {ref_pos} had {tuple(rshape)}: the number of dimensions must "
                     "not change between batches (sizes may)."
                 )
+        if not casts:
+            return batch
+        _, leaves, _ = flatten(batch)
+        for k, dtype in casts.items():
+            leaves[k] = leaves[k].astype(dtype, casting="same_kind")
+            meta[k] = (dtype_token(dtype), meta[k][1])
+        return unflatten(treedef, leaves)
