@@ -141,7 +141,7 @@ def test_streams_hand_out_the_rest_of_the_head_pass_and_probes_nothing():
     (dict(shuffle=False), "shuffle=False, but this loader has shuffle=True"),
     (dict(num_shards=3), "num_shards=3"),
     (dict(format=99), "newer kpipe"),
-    (dict(position=9), "out of range for a pass of 3 batches"),
+    (dict(position=9), "out of range for a pass of 4 batches"),  # ceil(7 / 2), a pad included
     (dict(num_batches=5), "saved for a dataset of 5 batches, but `Data` has 7"),
 ])
 def test_a_state_of_another_configuration_is_refused_with_what_differs(change, message):

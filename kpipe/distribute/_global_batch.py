@@ -75,9 +75,18 @@ def replica_weight(data, strategy):
     leaves = [leaf for leaf in tf.nest.flatten(data) if leaf is not None]
     if not leaves:
         return None
-    rows = tf.cast(tf.shape(leaves[0])[0], tf.float32)
+    rows = tf.cast(_rows(leaves[0]), tf.float32)
     total = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)
     return tf.math.divide_no_nan(rows * float(strategy.num_replicas_in_sync), total)
+
+
+def _rows(leaf):
+    """The number of rows (first dimension) of a batch's leaf, dense or not."""
+    if isinstance(leaf, tf.RaggedTensor):
+        return leaf.nrows()
+    if isinstance(leaf, tf.SparseTensor):
+        return leaf.dense_shape[0]
+    return tf.shape(leaf)[0]
 
 
 def _weighted_train_step(original):
