@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 
+from kpipe import _compat
 from kpipe.distribute import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,6 +35,9 @@ INPUTS = ("loader", "samples", "tfdata")
 WORKERS = (2, 3)
 
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
+# Keras < 3.10 keeps metrics per replica (kpipe/_compat.py): an epoch's logs and evaluate()'s
+# figures are then exact only where every replica had as many rows as the others.
+METRICS_SYNCED = _compat.keras_at_least(_compat._KERAS_SYNCS_METRICS_ON_READ)
 
 
 def _counts_arg():
@@ -96,6 +100,8 @@ def test_predict_returns_every_row_in_order_on_every_worker(job, reference):
 
 @pytest.mark.timeout(600)
 def test_evaluate_equals_one_process_with_and_without_sample_weights(job, reference):
+    if not METRICS_SYNCED:
+        pytest.skip("Keras < 3.10 reports per-replica metrics (kpipe/_compat.py)")
     ref_record, _ = reference
     for worker, name, n, record, _ in _cases(job):
         want = ref_record[f"reference/{n}"]
@@ -112,8 +118,9 @@ def test_fit_with_a_short_or_missing_last_batch_equals_one_process(job, referenc
     ref_record, ref_arrays = reference
     for worker, name, n, record, arrays in _cases(job):
         want = ref_record[f"reference/{n}"]
-        np.testing.assert_allclose(record["loss"], want["loss"], rtol=1e-5,
-                                   err_msg=f"worker {worker}, {name}, {n} samples")
+        if METRICS_SYNCED:
+            np.testing.assert_allclose(record["loss"], want["loss"], rtol=1e-5,
+                                       err_msg=f"worker {worker}, {name}, {n} samples")
         for k in range(4):
             np.testing.assert_allclose(arrays[f"w{k}"], ref_arrays[f"reference/{n}/w{k}"], rtol=1e-5, atol=1e-6,
                                        err_msg=f"w{k}: worker {worker}, {name}, {n} samples")
