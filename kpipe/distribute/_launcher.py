@@ -554,7 +554,7 @@ class _Job:
             returncode = 0  # the chief finished; the servers were stopped
         else:
             returncode = next((_exit_status(c) for c in codes if c), 0)
-        left_first = self._left_first if returncode not in (0, _EXIT_INTERRUPTED) else None
+        left_first = self._left_first if returncode != 0 and self.signal_received is None else None
         return LaunchResult(
             returncode=returncode, returncodes=codes, failed_worker=self._failed,
             timed_out=self._timed_out, interrupted=self.signal_received is not None,
