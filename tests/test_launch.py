@@ -427,6 +427,18 @@ def test_a_worker_that_leaves_early_is_named_as_the_one_that_started_the_shutdow
            "then worker 0 exited with status 1." in out.getvalue()
 
 
+def test_a_job_that_hangs_after_a_worker_left_names_it_at_the_timeout(no_leaks):
+    # (Worker 1 exits at once; the timeout leaves it seconds to do so, even on a busy machine.)
+    result = launch(_py("""
+        import os, sys, time
+        if os.environ["KPIPE_LAUNCH_WORKER"] == "1":
+            sys.exit(0)
+        time.sleep(120)  # a collective waiting for the peer that left
+        """), workers=2, output=io.StringIO(), timeout_s=8, grace_s=2)
+    assert result.timed_out and result.returncode == 124
+    assert result.failed_worker is None and result.left_first == 1
+
+
 def test_no_worker_is_named_as_leaving_first_when_the_job_succeeds_or_one_fails_first(no_leaks):
     ok = launch(_py("""
         import os, time
