@@ -275,6 +275,14 @@ def test_sharding_splits_each_epoch_disjointly_and_completely():
             assert sorted(seen) == list(range(n))
 
 
+def test_as_dataset_of_a_shard_yields_its_pad_without_rows(no_leaks):
+    # 5 batches over 2 shards: shard 1 holds batches 1, 3 and a pad (the last step's).
+    with kpipe.ProcessLoader(Squares(n=5), workers=1, num_shards=2, shard_index=1) as loader:
+        got = [x.numpy() for x, _ in loader.as_dataset()]
+    assert [g.shape for g in got] == [(4, 1), (4, 1), (0, 1)]
+    assert [int(g[0, 0]) // 10 for g in got[:2]] == [1, 3]
+
+
 def test_as_dataset_yields_one_epoch_per_iteration(no_leaks):
     import tensorflow as tf
 
