@@ -178,7 +178,7 @@ class Reader:
         its last batch in order ends the pass."""
         position = self.position
         key, sequential = position.direct_key(index)
-        batch = self.fetch(key, keep=position.probing)
+        batch = position.as_handed_out(key, self.fetch(key, keep=position.probing))
         if position.handed_out_direct(key, sequential):
             self.pass_completed()
         return batch
@@ -550,7 +550,7 @@ class Reader:
         if stream.resume is not None and self._read_limit is not None and key >= self._read_limit:
             stream.resume.clear()
             return _stream.AT_LIMIT
-        batch = self.fetch(key, keep=stream.probe)
+        batch = position.as_handed_out(key, self.fetch(key, keep=stream.probe))
         if position.handed_out(stream, key):
             if stream.confirm:
                 stream.pending = True  # until the consumer's epoch end took it

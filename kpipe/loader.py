@@ -137,9 +137,12 @@ class ProcessLoader(keras.utils.PyDataset):
             None (or `float("inf")`) waits as long as it takes. Defaults to 120.
         num_shards: Split each pass's batches into this many shards (one per
             data-parallel worker); the loader loads only shard `shard_index`: positions
-            `shard_index, shard_index + num_shards, ...` of the pass's order,
-            `n // num_shards` of them, so every worker runs the same number of steps.
-            Defaults to None: under a multi-worker `TF_CONFIG`, one shard per worker
+            `shard_index, shard_index + num_shards, ...` of the pass's order. Every
+            shard has `ceil(n / num_shards)` batches, so every worker runs the same
+            number of steps and every batch is used: a shard with none left for the
+            last step gets a *pad*, a batch with no rows (what tf.distribute gives a
+            replica without data; kpipe's multi-worker strategy weights the step so
+            that it equals one process's). Defaults to None: under a multi-worker `TF_CONFIG`, one shard per worker
             (`kpipe.distribute.default_shard()`), else no sharding. Pass 1 to load
             everything in every worker.
         shard_index: This loader's shard, `0 <= shard_index < num_shards`. Defaults

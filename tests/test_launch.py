@@ -389,3 +389,73 @@ def test_readme_security_section_says_what_is_exposed_and_how_to_fence_it():
     for fact in ("every network interface", "no authentication", "grpc_server_lib.cc", "server_lib.cc",
                  "OpenPortsWarning", "iptables", "private subnet", "unshare --user --map-root-user --net"):
         assert fact in section, fact
+
+
+def _leaves_early_then_fails(pid_file):
+    # Worker 1 exits 0 mid-job; worker 0 fails once the launcher has reaped worker 1 (its
+    # pid is gone), as a collective that lost its peer fails; any other worker waits.
+    return _py(f"""
+        import os, sys, time
+        worker = os.environ["KPIPE_LAUNCH_WORKER"]
+        if worker == "1":
+            with open({str(pid_file)!r} + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace({str(pid_file)!r} + ".tmp", {str(pid_file)!r})
+            sys.exit(0)
+        if worker != "0":
+            time.sleep(120)
+        deadline = time.monotonic() + 60
+        while not os.path.exists({str(pid_file)!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pid = int(open({str(pid_file)!r}).read())
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)  # a zombie until the launcher's poll reaps it
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
+        sys.exit(1)
+        """)
+
+
+def test_a_worker_that_leaves_early_is_named_as_the_one_that_started_the_shutdown(tmp_path, no_leaks):
+    out = io.StringIO()
+    result = launch(_leaves_early_then_fails(tmp_path / "pid"), workers=3, output=out, grace_s=5)
+    assert result.returncode == 1 and result.failed_worker == 0 and result.left_first == 1
+    assert result.returncodes == (1, 0, -signal.SIGTERM)
+    assert "[kpipe launch] worker 1 exited with status 0 while the others were still running; " \
+           "then worker 0 exited with status 1." in out.getvalue()
+
+
+def test_a_job_that_hangs_after_a_worker_left_names_it_at_the_timeout(no_leaks):
+    # (Worker 1 exits at once; the timeout leaves it seconds to do so, even on a busy machine.)
+    result = launch(_py("""
+        import os, sys, time
+        if os.environ["KPIPE_LAUNCH_WORKER"] == "1":
+            sys.exit(0)
+        time.sleep(120)  # a collective waiting for the peer that left
+        """), workers=2, output=io.StringIO(), timeout_s=8, grace_s=2)
+    assert result.timed_out and result.returncode == 124
+    assert result.failed_worker is None and result.left_first == 1
+
+
+def test_no_worker_is_named_as_leaving_first_when_the_job_succeeds_or_one_fails_first(no_leaks):
+    ok = launch(_py("""
+        import os, time
+        time.sleep(0.5 * int(os.environ["KPIPE_LAUNCH_WORKER"]))
+        """), workers=2, output=io.StringIO())
+    assert ok.returncode == 0 and ok.left_first is None
+    failed = launch(_py("""
+        import os, sys, time
+        if os.environ["KPIPE_LAUNCH_WORKER"] == "1":
+            sys.exit(3)
+        time.sleep(120)
+        """), workers=2, output=io.StringIO(), grace_s=5)
+    assert failed.returncode == 3 and failed.failed_worker == 1 and failed.left_first is None
+
+
+def test_cli_names_the_worker_that_left_early(tmp_path, no_leaks):
+    proc = _cli("launch", "--workers", "2", "--", *_leaves_early_then_fails(tmp_path / "pid"))
+    assert proc.returncode == 1, proc.stderr
+    assert "worker 1 exited first, with status 0, while the others were still running" in proc.stderr
+    assert "then worker 0 exited with status 1; stopped the others." in proc.stderr

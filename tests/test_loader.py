@@ -265,11 +265,22 @@ def test_sharding_splits_each_epoch_disjointly_and_completely():
             seen = []
             for w in range(shards):
                 loader = kpipe.ProcessLoader(Squares(n=n), workers=0, shuffle=shuffle, seed=3, num_shards=shards, shard_index=w)
-                assert len(loader) == n // shards
+                assert len(loader) == -(-n // shards)  # equal steps on every shard: 5, 5, 5
                 for _ in range(epoch):
                     loader.on_epoch_end()
-                seen += [int(loader[i][0][0, 0]) // 10 for i in range(len(loader))]
-            assert len(seen) == len(set(seen)) == (n // shards) * shards
+                batches = [loader[i][0] for i in range(len(loader))]
+                if w == shards - 1:  # 14 = 3 * 5 - 1: the last shard ends with a pad, no rows
+                    assert batches[-1].shape == (0, 1) and batches[-1].dtype == np.float32
+                seen += [int(x[0, 0]) // 10 for x in batches if len(x)]
+            assert sorted(seen) == list(range(n))
+
+
+def test_as_dataset_of_a_shard_yields_its_pad_without_rows(no_leaks):
+    # 5 batches over 2 shards: shard 1 holds batches 1, 3 and a pad (the last step's).
+    with kpipe.ProcessLoader(Squares(n=5), workers=1, num_shards=2, shard_index=1) as loader:
+        got = [x.numpy() for x, _ in loader.as_dataset()]
+    assert [g.shape for g in got] == [(4, 1), (4, 1), (0, 1)]
+    assert [int(g[0, 0]) // 10 for g in got[:2]] == [1, 3]
 
 
 def test_as_dataset_yields_one_epoch_per_iteration(no_leaks):
@@ -294,10 +305,10 @@ def test_multi_worker_tf_config_shards_by_default(monkeypatch):
     for index in range(2):
         monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
         loader = kpipe.ProcessLoader(Squares(n=9), workers=0, shuffle=True, seed=4)
-        assert (loader.num_shards, loader.shard_index, len(loader)) == (2, index, 4)
-        seen += [int(loader[i][0][0, 0]) for i in range(4)]
+        assert (loader.num_shards, loader.shard_index, len(loader)) == (2, index, 5)
+        seen += [int(x[0, 0]) for x in (loader[i][0] for i in range(5)) if len(x)]
         assert len(kpipe.ProcessLoader(Squares(n=9), workers=0, num_shards=1, shard_index=0)) == 9
-    assert len(set(seen)) == 8
+    assert len(set(seen)) == len(seen) == 9
     with pytest.raises(ValueError, match="needs a `seed`"):
         kpipe.ProcessLoader(Squares(n=9), workers=0, shuffle=True)
 

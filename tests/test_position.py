@@ -47,7 +47,7 @@ def _read(position, lengths, stop=None):
 def test_a_state_saved_at_every_step_resumes_the_same_reads(config):
     full, states = _read(Position(LENGTHS[0], **config), LENGTHS)
     shards = config["num_shards"]
-    assert len(full) == sum(n // shards for n in LENGTHS)
+    assert len(full) == sum(-(-n // shards) for n in LENGTHS)  # pads included: every shard ceil(n / W)
     for step, state in enumerate(states):
         assert state["format"] == STATE_FORMAT and state["num_batches"] == LENGTHS[state["pass"]]
         resumed = Position(LENGTHS[-1], **config)  # a new process: the dataset as it is now
@@ -56,15 +56,31 @@ def test_a_state_saved_at_every_step_resumes_the_same_reads(config):
         assert rest == full[step:], step
 
 
-def test_shards_of_a_pass_are_disjoint_and_cover_all_but_the_remainder():
-    for n in (7, 12):
-        for shards in (1, 2, 3):
-            seen = []
+def test_shards_of_a_pass_are_disjoint_cover_every_batch_and_pad_to_equal_lengths():
+    for n in (7, 12, 13):
+        for shards in (1, 2, 3, 5):
+            seen, lengths = [], []
             for w in range(shards):
                 position = Position(n, shuffle=True, seed=11, num_shards=shards, shard_index=w)
-                keys = [(1, i) for i in range(position.length_of(1))]
-                seen += [position.index(k) for k in keys]
-            assert len(seen) == len(set(seen)) == n // shards * shards
+                length = position.length_of(1)
+                pads = [i for i in range(length) if position.planner.is_pad(i, n)]
+                assert pads in ([], [length - 1])  # a pad only at the end of a pass
+                seen += [position.index((1, i)) for i in range(length) if i not in pads]
+                lengths.append(length)
+            assert sorted(seen) == list(range(n)), (n, shards)  # every batch once
+            assert lengths == [-(-n // shards)] * shards  # the same number of steps
+
+
+def test_a_pad_is_handed_out_without_rows_and_other_batches_as_loaded():
+    import numpy as np
+
+    position = Position(3, num_shards=2, shard_index=1)  # positions 1 and a pad
+    batch = (np.ones((4, 2), np.float32), {"y": np.arange(4)}, None, np.float32(2.0))
+    assert position.as_handed_out((0, 0), batch) is batch
+    x, y, none, scalar = position.as_handed_out((0, 1), batch)
+    assert (x.shape, x.dtype, y["y"].shape, y["y"].dtype) == ((0, 2), np.float32, (0,), batch[1]["y"].dtype)
+    assert none is None and scalar == 2.0
+    assert position.index((0, 1)) == 0  # what a pad loads: a real batch, for its structure
 
 
 def test_each_pass_has_the_length_recorded_for_it_and_later_ones_the_newest():
@@ -125,7 +141,7 @@ def test_streams_hand_out_the_rest_of_the_head_pass_and_probes_nothing():
     (dict(shuffle=False), "shuffle=False, but this loader has shuffle=True"),
     (dict(num_shards=3), "num_shards=3"),
     (dict(format=99), "newer kpipe"),
-    (dict(position=9), "out of range for a pass of 3 batches"),
+    (dict(position=9), "out of range for a pass of 4 batches"),  # ceil(7 / 2), a pad included
     (dict(num_batches=5), "saved for a dataset of 5 batches, but `Data` has 7"),
 ])
 def test_a_state_of_another_configuration_is_refused_with_what_differs(change, message):

@@ -166,14 +166,16 @@ def test_state_saved_mid_pass_resumes_the_same_batches_with_other_workers(no_lea
     assert head + rest == full
 
 
-def test_shards_read_disjoint_samples_and_cover_all_but_the_remainder(no_leaks):
+def test_shards_read_disjoint_samples_and_cover_every_one(no_leaks):
     seen = []
     for shard in range(3):
         with kpipe.ProcessLoader.from_samples(Points(n=29), 4, shuffle=True, seed=2, workers=0, num_shards=3,
                                               shard_index=shard) as loader:
-            assert len(loader) == 2  # 8 batches of a pass, 2 per shard
-            seen += [j for i in range(len(loader)) for j in _ids(loader[i])]
-    assert len(seen) == len(set(seen)) == 24
+            assert len(loader) == 3  # 8 batches of a pass (the last of 1 sample), 3 steps per shard
+            batches = [_ids(loader[i]) for i in range(len(loader))]
+            assert (batches[-1] == []) == (shard == 2)  # shard 2 ends with a pad: no rows
+            seen += [j for batch in batches for j in batch]
+    assert sorted(seen) == list(range(29))
 
 
 def test_the_datasets_own_hooks_run_and_reach_the_workers(no_leaks):

@@ -102,12 +102,18 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"kpipe launch: cannot start {command[0]!r}: {e}", file=sys.stderr)
         return 127
+    def task(i):
+        return result.tasks[i] if result.tasks else f"worker {i}"
+
+    left = ""
+    if result.left_first is not None:
+        left = (f"{task(result.left_first)} exited first, with status 0, while the others "
+                "were still running (a worker that leaves a multi-worker job early makes "
+                "the others' collective operations fail); then ")
     if result.failed_worker is not None:
-        task = (result.tasks[result.failed_worker] if result.tasks
-                else f"worker {result.failed_worker}")
-        print(f"kpipe launch: {task} exited with status "
+        print(f"kpipe launch: {left}{task(result.failed_worker)} exited with status "
               f"{result.returncode}; stopped the others.", file=sys.stderr)
     elif result.timed_out:
-        print(f"kpipe launch: timed out after {args.timeout} s; stopped every worker.",
+        print(f"kpipe launch: {left}timed out after {args.timeout} s; stopped every worker.",
               file=sys.stderr)
     return result.returncode

@@ -12,9 +12,13 @@ class EpochPlanner:
     """Orders (and shards) the batch indices of each pass. Cheap; not thread-safe.
 
     With `num_shards=W`, shard `w` gets positions `w, w+W, w+2W, ...` of the pass's
-    (shuffled) order, truncated to `n // W` so every shard runs the same number of steps,
-    as synchronous data parallelism requires; the `n % W` left-over batches rotate with the
-    shuffle, so over passes every batch is used.
+    (shuffled) order: every batch of the pass, once, across the shards. Every shard has
+    `ceil(n / W)` positions, so that all of them run the same number of steps, as
+    synchronous data parallelism requires: where `n % W != 0` the last position of shards
+    `w >= n % W` is a *pad* (`is_pad`), which the loader hands out with no rows -- what
+    `tf.distribute`'s datasets give a replica that has no data left in a step (see the
+    NOTE in kpipe/distribute/_global_batch.py). A pad loads the pass's first batch(es)
+    again, for their structure only.
 
     `num_batches` is the dataset's length; a dataset whose length changes between passes
     (bucketing, curriculum) passes the new length to `plan`/`index`/`length`.
@@ -29,20 +33,27 @@ class EpochPlanner:
         self._cache = (None, None)
 
     def length(self, num_batches=None):
-        """Batches per pass for this shard, or None when the dataset is infinite."""
+        """Batches per pass for this shard (pads included), or None when the dataset is infinite."""
         n = self.num_batches if num_batches is None else num_batches
         if n is None:
             return None
-        return n // self.num_shards if self.num_shards > 1 else n
+        return -(-n // self.num_shards) if self.num_shards > 1 else n
+
+    def is_pad(self, position, num_batches=None):
+        """Whether `position` of this shard's passes is a pad (a step without data)."""
+        n = self.num_batches if num_batches is None else num_batches
+        return n is not None and self.num_shards > 1 and position * self.num_shards + self.shard_index >= n
 
     def plan(self, epoch, num_batches=None):
-        """The dataset indices of this shard for pass `epoch`, in order (finite datasets)."""
+        """The dataset indices of this shard for pass `epoch`, in order (finite datasets);
+        a pad's is the pass's first batch not of this shard's plan (see the class docstring)."""
         n = self.num_batches if num_batches is None else num_batches
         if self._cache[0] == (epoch, n):
             return self._cache[1]
         order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
         if self.num_shards > 1:
-            order = order[: self.length(n) * self.num_shards][self.shard_index :: self.num_shards]
+            positions = np.arange(self.shard_index, self.length(n) * self.num_shards, self.num_shards)
+            order = order[positions % n]
         plan = order.tolist()
         self._cache = ((epoch, n), plan)
         return plan

@@ -68,6 +68,7 @@ the configuration it is restored into (`check_state`).
 import bisect
 
 from kpipe._args import check_int
+from kpipe._engine import _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._planner import EpochPlanner
 
@@ -251,6 +252,11 @@ class Position:
         orders its own batches per pass (`keyed_by_pass`: `ProcessLoader.from_samples`)."""
         index = self.planner.index(key[0], key[1], self.dataset_length(key[0]))
         return (key[0], index) if self.keyed_by_pass else index
+
+    def as_handed_out(self, key, batch):
+        """The batch loaded for `key` as consumers get it: without rows at a pad (a step
+        of this shard without data; see `EpochPlanner`)."""
+        return _tree.without_rows(batch) if self.planner.is_pad(key[1], self.dataset_length(key[0])) else batch
 
     def seed_of(self, key):
         """The seed workers reseed `random`/`numpy.random` with before loading `key`."""

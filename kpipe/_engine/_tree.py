@@ -112,6 +112,14 @@ def _unflatten(td, it):
     return tuple(children) if tag == "tuple" else children
 
 
+def without_rows(batch):
+    """`batch` with no rows: every array of rank >= 1 emptied along its first axis (same
+    dtype and inner shape); the structure and rank-0 arrays as they are."""
+    treedef, leaves, _ = flatten(batch)
+    empty = [np.empty((0,) + a.shape[1:], a.dtype) if a.ndim else a for a in leaves]
+    return unflatten(treedef, empty)
+
+
 def leaf_paths(treedef, what="batch"):
     """The path of each leaf of `treedef`, e.g. `batch[0]`, `batch[1]['label']`."""
     paths = []

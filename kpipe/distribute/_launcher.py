@@ -11,6 +11,8 @@ who gets which signal::
     terminal Ctrl-C / SIGTERM --> launcher handler sets a flag
                                    |
     poll loop (every 50 ms) <------+
+      |- a child exited 0, others run -> remember it (`left_first`: if the job then fails,
+      |                                 its leaving is what broke the others' collectives)
       |- a child exited non-zero    -> remember the first such code; SIGTERM the other groups
       |- the flag is set             -> forward the same signal to every group
       |- `timeout_s` passed          -> SIGTERM every group
@@ -67,6 +69,11 @@ class LaunchResult:
         tails: The last lines of each worker's output, for error messages.
         tasks: Each process's task, `"worker 0"`, `"chief"`, `"ps 0"`, in the order of
             `returncodes` (chief first, then workers, then ps tasks).
+        left_first: When the job failed or timed out after a process exited with status
+            0 while others still ran, that process's index (in the order of
+            `returncodes`), else `None`. Under multi-worker training its leaving is what
+            made the others' collectives fail: it started the shutdown, while
+            `failed_worker` names the first process that then failed.
     """
 
     returncode: int
@@ -76,6 +83,7 @@ class LaunchResult:
     interrupted: bool
     tails: Tuple[str, ...]
     tasks: Tuple[str, ...] = ()
+    left_first: Optional[int] = None
 
 
 def parse_addresses(text: str) -> List[str]:
@@ -374,6 +382,7 @@ class _Job:
         self._forwarded_count = 0
         self._failed: Optional[int] = None
         self._timed_out = False
+        self._left_first: Optional[int] = None  # exited with 0 while others ran (see LaunchResult)
 
     def start(self, index: int, command: List[str], env: Dict[str, str],
               label: Optional[str] = None) -> None:
@@ -414,9 +423,15 @@ class _Job:
                 if self._apply_ps_rules(codes, grace_s):
                     kill_at = time.monotonic() + grace_s
             elif self._failed is None and self.signal_count == 0 and not self._timed_out:
+                if self._left_first is None and None in codes:
+                    self._left_first = next((i for i, c in enumerate(codes) if c == 0), None)
                 failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
                     self._failed = failed[0]
+                    if self._left_first is not None:
+                        self._note(f"{self.labels[self._left_first]} exited with status 0 while the others "
+                                   f"were still running; then {self.labels[failed[0]]} exited with status "
+                                   f"{_exit_status(codes[failed[0]])}.")
                     self._signal_all(signal.SIGTERM)
                     kill_at = time.monotonic() + grace_s
             if all(c is not None for c in codes):
@@ -539,10 +554,12 @@ class _Job:
             returncode = 0  # the chief finished; the servers were stopped
         else:
             returncode = next((_exit_status(c) for c in codes if c), 0)
+        left_first = self._left_first if returncode != 0 and self.signal_received is None else None
         return LaunchResult(
             returncode=returncode, returncodes=codes, failed_worker=self._failed,
             timed_out=self._timed_out, interrupted=self.signal_received is not None,
-            tails=tuple("\n".join(t) for t in self._tails), tasks=tuple(self.labels))
+            tails=tuple("\n".join(t) for t in self._tails), tasks=tuple(self.labels),
+            left_first=left_first)
 
 
 def _exit_status(code: int) -> int:

@@ -20,6 +20,10 @@ Both overrides only act where the stock method raises, so they are inert once Ke
 stops making these calls. `tests/test_distribute_multiworker.py` keeps a strict xfail on
 the stock strategy: when it starts passing, upstream is fixed.
 
+Under more than one worker, each replica's training loss is weighted so that a step's
+gradient is its global batch's however unevenly its rows are split over the replicas
+(a short last batch, a shard's pad): see the NOTE in `_global_batch.py`.
+
 The subclass also (a) feeds *presharded* inputs (see `_sharding.py`) to this worker's
 replicas without auto-sharding or splitting the global batch across workers, (b) raises
 a clear error for an unseeded shuffle that every worker would draw differently, and
@@ -40,11 +44,12 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from kpipe import _compat, _keras_hook
-from kpipe.distribute import _sharding
+from kpipe.distribute import _global_batch, _sharding
 from kpipe.distribute._cluster import cluster_info
 
 _keras_hook.install()
 _compat.install_keras_fixes()  # Keras < 3.8 loss per replica, < 3.10 epoch logs (kpipe/_compat.py)
+_global_batch.install()  # short and missing batches weighted to the global batch's loss
 
 logger = logging.getLogger("kpipe.distribute")
 
