@@ -340,13 +340,10 @@ class ProcessLoader(keras.utils.PyDataset):
     def on_epoch_end(self):
         """Runs the dataset's `on_epoch_end` now, once, and ends the current pass if any of
         it was read (a loop that stops early starts the next pass at `loader[0]`); a pass
-        read to its last batch ended then. The dataset's state then -- whatever its hook,
-        or you between passes, changed on it (or on a class defined in `__main__`, or a
-        global its methods use) -- reaches the workers before they load the next pass;
-        batches loaded ahead stand if the dataset is as it was (it pickles to the same
-        bytes). A pass read to its end without this call is checked the same way at its
-        successor's first read. Class attributes and module globals of a class imported
-        from a module never reach the workers (README, "What the fast paths assume").
+        read to its last batch ended then. What the hook or you changed on the dataset
+        reaches the workers before they load the next pass (as at the first read of a
+        pass nobody ended); batches loaded ahead stand if it pickles to the same bytes.
+        README, "What the fast paths assume": what workers cannot see.
 
         `fit`/`evaluate`/`predict` do not call this: kpipe's adapter passes Keras's epoch
         calls on by the rule of the class docstring.
