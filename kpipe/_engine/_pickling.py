@@ -12,14 +12,18 @@
   an import of its module -- and its `keras.utils.PyDataset` base is swapped for a
   TensorFlow-free stand-in in workers. Workers then import TensorFlow only if the
   dataset's own methods use it.
-* h5py objects, open files and locks cannot cross processes: the error names the attribute
-  and says to open the resource lazily.
+* Open handles -- h5py objects, files opened for reading, memmaps -- travel as the name of
+  what they have open and are reopened in each worker (`_handles.py`); the user's object is
+  not touched. Handles that cannot be reopened (a file open for writing, a socket, a
+  database connection) and locks cannot cross processes: the error names the attribute and
+  says what works instead.
 """
 
 import contextlib
 import io
 import os
 import pickle
+import re
 import sys
 import sysconfig
 import types
@@ -27,7 +31,7 @@ import types
 import cloudpickle
 import numpy as np
 
-from kpipe._engine import _pydataset_shim
+from kpipe._engine import _handles, _pydataset_shim
 from kpipe._engine._shm import Segment, fd_limit_error, is_fd_exhaustion, plan_layout
 from kpipe._engine._submodule_scan import submodule_scan
 from kpipe.errors import DatasetPicklingError, LoaderError
@@ -149,22 +153,37 @@ class _Pickler(cloudpickle.Pickler):
     def persistent_id(self, obj):  # called for every object pickled
         if type(obj) in _PLAIN_TYPES:
             return None
-        if type(obj) is np.ndarray:
-            if self._shared is not None and obj.nbytes >= SHARE_MIN_BYTES and obj.dtype.kind in _OK_KINDS:
-                key, _ = self._shared.put(obj, compare=self._compare)
-                self._used.add(key)
-                return ("kpipe-shared-array", key, self._shared.layout(key)[0])
-            return None
-        module = type(obj).__module__ or ""
-        if module.startswith("h5py."):
-            raise _Unshareable(obj)
+        if type(obj) is np.ndarray and obj.base is None:
+            return self._share(obj)
+        spec = _handles.spec_of(obj)  # (an open handle: sent as what it has open)
+        if spec is not None:  # (as bytes: the same bytes whatever the spec's objects share)
+            return ("kpipe-handle", pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+        if type(obj) is np.ndarray:  # (a view, of no memmap)
+            return self._share(obj)
+        return None
+
+    def _share(self, arr):
+        if self._shared is not None and arr.nbytes >= SHARE_MIN_BYTES and arr.dtype.kind in _OK_KINDS:
+            key, _ = self._shared.put(arr, compare=self._compare)
+            self._used.add(key)
+            return ("kpipe-shared-array", key, self._shared.layout(key)[0])
         return None
 
 
-class _Unshareable(Exception):
-    def __init__(self, obj):
-        super().__init__(obj)
-        self.obj = obj
+_WHAT_WORKS = (
+    "create it lazily inside __getitem__, once per process (`if self.conn is None: self.conn = "
+    "connect(...)`); or drop it in `__getstate__` and create it again in `__setstate__`; or keep "
+    "a factory (a function that creates it) instead of the object; or pass use_threads=True / "
+    "workers=0 to keep the dataset in this process"
+)
+
+
+def _unreopenable_message(what, obj, exc):
+    where = _find_attribute(obj, exc.obj)
+    fix = f"{exc.fix[0].upper()}{exc.fix[1:]}; or" if exc.fix else "What works:"
+    return (f"{what} holds {exc.what}{where} ({_short(exc.obj)}), which cannot be sent to worker "
+            f"processes: {exc.reason}. (kpipe reopens h5py objects, files opened for reading and "
+            f"memmaps in each worker by their file name.) {fix} {_WHAT_WORKS}.")
 
 
 _HEAVY_MODULES = ("keras", "tensorflow", "tf_keras", "jax", "torch")
@@ -245,24 +264,18 @@ def dumps(obj, shared=None, what=None):
     try:
         with _pickled_by_value(_by_value_modules(obj)), submodule_scan():
             _Pickler(buf, shared, used).dump(obj)
-    except _Unshareable as exc:
-        where = _find_attribute(obj, exc.obj)
-        raise DatasetPicklingError(
-            f"{what} holds an open h5py object{where} ({_short(exc.obj)}), which cannot be "
-            "sent to worker processes. Open the file lazily instead, once per process: keep "
-            "only the path in __init__ (e.g. self._h5 = None) and in __getitem__ do "
-            "`if self._h5 is None: self._h5 = h5py.File(self.path, 'r')`."
-        ) from None
+    except _handles.Unreopenable as exc:
+        raise DatasetPicklingError(_unreopenable_message(what, obj, exc)) from None
     except LoaderError:  # DatasetPicklingError, or out of file descriptors
         raise
     except Exception as exc:
         if is_fd_exhaustion(exc):
             raise fd_limit_error(exc, f"send {what} to its workers") from exc
+        where = _find_unpicklable(obj, exc)
         raise DatasetPicklingError(
-            f"{what} cannot be pickled to send it to worker processes: "
-            f"{type(exc).__name__}: {exc}. Objects such as open files, locks, sockets or "
-            "database connections must be created lazily inside __getitem__ (once per "
-            "process), or pass use_threads=True / workers=0 to keep the dataset in this process."
+            f"{what} cannot be pickled to send it to worker processes{where}: "
+            f"{type(exc).__name__}: {exc}. What works for such an object (a lock, a socket, a "
+            f"database connection, a file opened for writing): {_WHAT_WORKS}."
         ) from exc
     return buf.getvalue(), used
 
@@ -294,10 +307,11 @@ class _Unpickler(pickle.Unpickler):
         self._swaps = _pydataset_shim.SWAPS if swaps else {}
 
     def persistent_load(self, pid):
-        tag, key, layout = pid
-        if tag != "kpipe-shared-array":
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-        return self._segments[key].views([layout])[0]
+        if pid[0] == "kpipe-shared-array":
+            return self._segments[pid[1]].views([pid[2]])[0]
+        if pid[0] == "kpipe-handle":
+            return _handles.reopen(pickle.loads(pid[1]))
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
     def find_class(self, module, name):
         swap = self._swaps.get((module, name))
@@ -348,22 +362,37 @@ def loads_apart(payload, segments):
         module._lookup_class_or_track = lookup
 
 
-def _find_attribute(root, target):
-    """Returns ' in `self.attr`' when `target` is an attribute (or one level deeper) of root."""
+def _attributes(root):
+    """`(where, value)` for `root`'s attributes and the items of those that are lists,
+    tuples or dicts (one level deeper): the places an error message can point at."""
     attrs = getattr(root, "__dict__", None)
     if not isinstance(attrs, dict):
-        return ""
+        return
     for name, value in attrs.items():
-        if value is target:
-            return f" in `self.{name}`"
+        yield f"self.{name}", value
         if isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
-                if v is target:
-                    return f" in `self.{name}[{i}]`"
-        if isinstance(value, dict):
+                yield f"self.{name}[{i}]", v
+        elif isinstance(value, dict):
             for k, v in value.items():
-                if v is target:
-                    return f" in `self.{name}[{k!r}]`"
+                yield f"self.{name}[{k!r}]", v
+
+
+def _find_attribute(root, target):
+    """Returns ' in `self.attr`' when `target` is an attribute (or one level deeper) of root."""
+    return next((f" in `{where}`" for where, value in _attributes(root) if value is target), "")
+
+
+def _find_unpicklable(root, exc):
+    """' in `self.attr` (a Type)' for the attribute holding what `exc` ("cannot pickle 'X'
+    object") could not pickle, or ''."""
+    found = re.search(r"cannot pickle '([\w.]+)' object", str(exc))
+    if not found:
+        return ""
+    name = found.group(1).rsplit(".", 1)[-1]
+    for where, value in _attributes(root):
+        if type(value).__name__ == name:
+            return f" (`{where}` holds a {type(value).__module__}.{name})"
     return ""
 
 
