@@ -7,11 +7,12 @@
   read-only. Re-sending the dataset after `on_epoch_end` compares each array with its
   shared copy and rewrites only what changed (in-place edits included); arrays the
   dataset no longer holds (replaced, not edited) are freed in every process.
-* A dataset class from a user module that imports Keras or TensorFlow (the usual
-  `class Images(keras.utils.PyDataset)` in `data.py`) is sent by value -- its code, not
-  an import of its module -- and its `keras.utils.PyDataset` base is swapped for a
-  TensorFlow-free stand-in in workers. Workers then import TensorFlow only if the
-  dataset's own methods use it.
+* A dataset class from a user module whose import would import Keras or TensorFlow (the
+  usual `class Images(keras.utils.PyDataset)` in `data.py`; a module that imports only
+  its base's module, which imports keras; a module of a package whose `__init__` does) is
+  sent by value -- its code, not an import of its module -- and its
+  `keras.utils.PyDataset` base is swapped for a TensorFlow-free stand-in in workers.
+  Workers then import TensorFlow only if the dataset's own methods use it.
 * Open handles -- h5py objects, files opened for reading, memmaps -- travel as the name of
   what they have open and are reopened in each worker (`_handles.py`); the user's object is
   not touched. Handles that cannot be reopened (a file open for writing, a socket, a
@@ -206,33 +207,85 @@ def _library_paths():
     return _PATHS[1], _PATHS[2]
 
 
-def _imports_heavy(module):
-    for value in vars(module).values():
-        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
-        if isinstance(name, str) and name.split(".")[0] in _HEAVY_MODULES:
-            return True
-    return False
+def _user_module(name):
+    """The module `name` when it is the user's own (not stdlib, site-packages, kpipe or a
+    heavy framework; not `__main__`), else None."""
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    path = getattr(module, "__file__", None)
+    if module is None or not isinstance(path, str) or name == "__main__":
+        return None
+    if name.split(".")[0] in _HEAVY_MODULES + ("kpipe",):
+        return None
+    libs, real = _library_paths()
+    resolved = real.get(path)
+    if resolved is None:
+        resolved = real[path] = os.path.realpath(path)
+    return None if resolved.startswith(libs) else module
+
+
+def _module_of(value):
+    name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+    return name if isinstance(name, str) else None
+
+
+class _HeavyScan:
+    """Which user modules import Keras/TF/JAX/torch when imported -- directly, through
+    another user module they take a name from (`from mypkg.base import Base`, whose
+    module imports keras), or through their package's `__init__` -- found by reading
+    module globals, never by importing anything."""
+
+    def __init__(self):
+        self.heavy = {}  # module name -> bool (None while it is being read: an import cycle)
+
+    def is_heavy(self, module):
+        name = module.__name__
+        if name in self.heavy:
+            return bool(self.heavy[name])
+        self.heavy[name] = None
+        found = False
+        parent = _user_module(name.rpartition(".")[0])
+        if parent is not None and self.is_heavy(parent):
+            found = True
+        for value in list(vars(module).values()):
+            dep = _module_of(value)
+            if dep is None:
+                continue
+            if dep.split(".")[0] in _HEAVY_MODULES:
+                found = True
+                continue
+            dep_module = _user_module(dep)
+            if dep_module is not None and dep_module is not module and self.is_heavy(dep_module):
+                found = True  # (and read on: every user module reached gets its answer)
+        self.heavy[name] = found
+        return found
+
+    def roots(self, module):
+        """`module`'s user-module dependencies (for `__main__`, whose classes travel by
+        value anyway but whose globals can name heavy user modules)."""
+        for value in list(vars(module).values()):
+            dep_module = _user_module(_module_of(value))
+            if dep_module is not None:
+                self.is_heavy(dep_module)
 
 
 def _by_value_modules(obj):
-    """User modules (not stdlib/site-packages) defining `obj`'s classes that import Keras/TF."""
-    out = []
-    libs, real = _library_paths()
+    """User modules that import Keras/TF (`_HeavyScan`) among those that define `obj`'s
+    classes and those their globals lead to: their classes and functions travel by value,
+    so that a worker imports none of them -- and so imports TensorFlow only if the
+    dataset's own code does. A dataset class whose module imports only its base's module
+    (which imports keras) is one of them, as is the base itself."""
+    scan = _HeavyScan()
     for cls in type(obj).__mro__:
-        module = sys.modules.get(cls.__module__)
-        path = getattr(module, "__file__", None)
-        if module is None or not path or cls.__module__ == "__main__" or module in out:
+        if cls.__module__ == "__main__":
+            main = sys.modules.get("__main__")
+            if main is not None and "__main__" not in scan.heavy:
+                scan.heavy["__main__"] = False
+                scan.roots(main)
             continue
-        if cls.__module__.split(".")[0] in _HEAVY_MODULES + ("kpipe",):
-            continue
-        resolved = real.get(path)
-        if resolved is None:
-            resolved = real[path] = os.path.realpath(path)
-        if resolved.startswith(libs):
-            continue
-        if _imports_heavy(module):
-            out.append(module)
-    return out
+        module = _user_module(cls.__module__)
+        if module is not None:
+            scan.is_heavy(module)
+    return [sys.modules[name] for name, heavy in scan.heavy.items() if heavy and name in sys.modules]
 
 
 by_value_modules = _by_value_modules  # (for `_unsent.py`: classes of these modules travel by value)
