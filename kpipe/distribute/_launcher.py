@@ -67,6 +67,13 @@ class LaunchResult:
         tails: The last lines of each worker's output, for error messages.
         tasks: Each process's task, `"worker 0"`, `"chief"`, `"ps 0"`, in the order of
             `returncodes` (chief first, then workers, then ps tasks).
+
+    Example:
+
+    >>> import sys, kpipe.distribute
+    >>> result = kpipe.distribute.launch([sys.executable, "-c", "import sys; sys.exit(0)"], workers=2)
+    >>> result.returncode, result.returncodes, result.tasks
+    (0, (0, 0), ('worker 0', 'worker 1'))
     """
 
     returncode: int
