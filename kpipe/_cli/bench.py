@@ -301,8 +301,13 @@ def _workers_quiet(verbose):
         return
     from kpipe._cli import _quiet
 
-    sys.stderr.flush()
-    with os.fdopen(os.dup(2), "w") as real, _quiet.filtered_stderr(_quiet.startup_noise_filter()):
+    try:
+        sys.stderr.flush()
+        real = os.fdopen(os.dup(2), "w")
+    except (OSError, ValueError, AttributeError):  # (no fd 2 to route: nothing to hide)
+        yield sys.stderr
+        return
+    with real, _quiet.filtered_stderr(_quiet.startup_noise_filter()):
         yield real
 
 
