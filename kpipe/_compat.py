@@ -94,7 +94,22 @@ KERAS_FITS_DISTRIBUTED_DATASETS_FROM_FUNCTION = (3, 9)
 
 
 class IncompatibleVersionError(ImportError):
-    """The installed TensorFlow or Keras is older than kpipe supports."""
+    """The installed TensorFlow or Keras is older than kpipe supports.
+
+    `import kpipe` raises it (from `kpipe._compat.check_versions`, which reads the
+    installed versions from package metadata), naming the installed and the required
+    versions and the `pip install -U` line that fixes it.
+
+    Example:
+
+    >>> from kpipe import IncompatibleVersionError
+    >>> from kpipe._compat import check_versions   # what `import kpipe` runs
+    >>> try:
+    ...     check_versions({"tensorflow": "2.3.0", "keras": "2.4.0"})
+    ... except IncompatibleVersionError as e:
+    ...     print(str(e)[:17])
+    kpipe needs tenso
+    """
 
 
 def parse_version(text):

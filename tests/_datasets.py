@@ -200,7 +200,7 @@ class LazyH5:
 
 
 class EagerH5(LazyH5):
-    """Opens its file in __init__: cannot be sent to workers."""
+    """Opens its file in __init__: sent to workers as its file name, reopened there."""
 
     def __init__(self, path, batch=4):
         import h5py

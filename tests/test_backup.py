@@ -516,3 +516,22 @@ def test_seed_generators_of_layers_nested_ones_and_the_model_are_all_saved(tmp_p
     with pytest.raises(ValueError, match=r"recorded 4 random seed generator state\(s\).*model has 3.*"
                                          r"Build the same model.*delete the backup"):
         _backup_state.restore_random_state(_random_model(extra=False), saved, str(tmp_path))
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_fit_says_so_in_one_line(tmp_path, capsys, caplog):
+    x, y = Batches().x, Batches().y
+    for verbose in (1, 0):
+        backup = BackupAndRestore(str(tmp_path / f"v{verbose}"), verbose=verbose)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            _model().fit(x, y, batch_size=BATCH, shuffle=False, epochs=3, verbose=0, callbacks=[backup, Crash(epoch=2)])
+        capsys.readouterr()
+        with caplog.at_level("INFO", logger="kpipe.callbacks"):
+            _model().fit(x, y, batch_size=BATCH, shuffle=False, epochs=3, verbose=0, callbacks=[backup])
+        printed = [line for line in capsys.readouterr().out.splitlines() if "BackupAndRestore" in line]
+        logged = [r.getMessage() for r in caplog.records if "resuming" in r.getMessage()]
+        caplog.clear()
+        steps = 2 * len(Batches())
+        expected = (f"BackupAndRestore: resuming at epoch 2, step 0 ({steps} training steps done) from backup "
+                    f"{os.path.join(str(tmp_path / f'v{verbose}'), 'epoch-000002')}.")
+        assert (printed, logged) == (([expected], []) if verbose else ([], [expected]))

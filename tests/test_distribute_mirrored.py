@@ -42,3 +42,35 @@ def test_two_logical_cpus_train_like_one_device(tmp_path, no_leaks):
     assert all(d.endswith("device:CPU:1") for d in result["as_dataset_on"])
     if result["fed_on"] is not None:
         assert all(d.endswith("device:CPU:1") for d in result["fed_on"])
+
+
+_MISSING = """
+import json, sys
+import tensorflow as tf
+import kpipe
+if sys.argv[1] == "logical":
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+try:
+    strategy = kpipe.distribute.auto_strategy(devices=["/cpu:0", "/cpu:1"])
+    print(json.dumps({"replicas": strategy.num_replicas_in_sync}))
+except kpipe.distribute.DeviceNotFoundError as e:
+    print(json.dumps({"error": str(e), "is_value_error": isinstance(e, ValueError)}))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setup", ["none", "logical"])
+def test_devices_that_do_not_exist_fail_fast_with_a_named_error(setup):
+    proc = subprocess.run([sys.executable, "-c", _MISSING, setup], env=ENV, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if setup == "logical":  # the fix the error names works
+        assert result == {"replicas": 2}
+        return
+    message = result["error"]
+    assert result["is_value_error"]
+    assert "Received: devices=['/cpu:0', '/cpu:1']; not found: ['/cpu:1']" in message
+    assert "Devices found: ['/device:CPU:0'" in message
+    assert "tf.config.set_logical_device_configuration" in message and "before TensorFlow initialises" in message

@@ -98,11 +98,13 @@ def _h5(tmp_path):
     return path
 
 
-def test_open_h5py_file_gets_a_lazy_opening_hint_and_lazy_works(tmp_path, no_leaks):
+def test_h5py_file_opened_in_init_or_lazily_both_work(tmp_path, no_leaks):
     path = _h5(tmp_path)
-    eager = EagerH5(path)
-    with pytest.raises(kpipe.DatasetPicklingError, match=r"open h5py object in `self.handle`.*lazily"):
-        kpipe.ProcessLoader(eager, workers=2)
+    eager = EagerH5(path)  # opened in __init__: sent as its file's name, reopened in each worker
+    with kpipe.ProcessLoader(eager, workers=2) as loader:
+        ys = np.concatenate([loader[i][1] for i in range(len(loader))])
+    assert ys.tolist() == list(range(32))
+    assert eager.handle.mode == "r"  # the user's handle is untouched
     eager.handle.close()
     ds = LazyH5(path)
     with kpipe.ProcessLoader(ds, workers=2, shuffle=True, seed=0) as loader:

@@ -20,6 +20,7 @@ workers within 5% of the best samples/s.
 """
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -70,11 +71,12 @@ def run(args) -> int:
 
     dataset[0]  # warm-up, untimed: lazy imports and file opens of the dataset itself
     configs = [(w, False) for w in counts] + ([(w, True) for w in counts if w > 0] if args.threads else [])
-    progress = _Progress(len(configs), args.batches)
     results = []
-    for i, (workers, threads) in enumerate(configs):
-        results.append(measure(dataset, workers, threads, args.batches, args.timeout, lambda n, i=i, w=workers, t=threads: progress.update(i, w, t, n)))
-    progress.done()
+    with _workers_quiet(getattr(args, "verbose", False)) as stderr:
+        progress = _Progress(len(configs), args.batches, stderr)
+        for i, (workers, threads) in enumerate(configs):
+            results.append(measure(dataset, workers, threads, args.batches, args.timeout, lambda n, i=i, w=workers, t=threads: progress.update(i, w, t, n)))
+        progress.done()
     best = recommend(results)
     report = {"target": args.target, "batches": args.batches, "cpu_count": os.cpu_count(), "results": results, "recommended": best}
     if args.json:
@@ -289,25 +291,47 @@ class _RssSampler:
         return self.peak
 
 
-class _Progress:
-    """A one-line progress bar on stderr (a line per run when stderr is not a terminal)."""
+@contextlib.contextmanager
+def _workers_quiet(verbose):
+    """Runs the block with TensorFlow's start-up log hidden from the workers' output too (a
+    dataset whose own code imports TensorFlow makes each worker log it), as the other
+    commands hide it; yields the real stderr, for the progress bar. `verbose`: no filter."""
+    if verbose:
+        yield sys.stderr
+        return
+    from kpipe._cli import _quiet
 
-    def __init__(self, runs, batches):
+    try:
+        sys.stderr.flush()
+        real = os.fdopen(os.dup(2), "w")
+    except (OSError, ValueError, AttributeError):  # (no fd 2 to route: nothing to hide)
+        yield sys.stderr
+        return
+    with real, _quiet.filtered_stderr(_quiet.startup_noise_filter()):
+        yield real
+
+
+class _Progress:
+    """A one-line progress bar on `stream` (a line per run when it is not a terminal)."""
+
+    def __init__(self, runs, batches, stream=None):
         self.runs, self.batches = runs, batches
-        self.tty = sys.stderr.isatty()
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
 
     def update(self, run, workers, threads, done):
         label = f"run {run + 1}/{self.runs}: workers={workers}{' threads' if threads else ''}"
         if self.tty:
             filled = int(30 * done / self.batches)
-            sys.stderr.write(f"\r{label:<32} [{'#' * filled}{'.' * (30 - filled)}] {done}/{self.batches}")
-            sys.stderr.flush()
+            self.stream.write(f"\r{label:<32} [{'#' * filled}{'.' * (30 - filled)}] {done}/{self.batches}")
+            self.stream.flush()
         elif done == self.batches:
-            print(f"{label}: {done} batches", file=sys.stderr)
+            print(f"{label}: {done} batches", file=self.stream, flush=True)
 
     def done(self):
         if self.tty:
-            sys.stderr.write("\n")
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def main(argv=None) -> int:

@@ -7,19 +7,24 @@
   read-only. Re-sending the dataset after `on_epoch_end` compares each array with its
   shared copy and rewrites only what changed (in-place edits included); arrays the
   dataset no longer holds (replaced, not edited) are freed in every process.
-* A dataset class from a user module that imports Keras or TensorFlow (the usual
-  `class Images(keras.utils.PyDataset)` in `data.py`) is sent by value -- its code, not
-  an import of its module -- and its `keras.utils.PyDataset` base is swapped for a
-  TensorFlow-free stand-in in workers. Workers then import TensorFlow only if the
-  dataset's own methods use it.
-* h5py objects, open files and locks cannot cross processes: the error names the attribute
-  and says to open the resource lazily.
+* A dataset class from a user module whose import would import Keras or TensorFlow (the
+  usual `class Images(keras.utils.PyDataset)` in `data.py`; a module that imports only
+  its base's module, which imports keras; a module of a package whose `__init__` does) is
+  sent by value -- its code, not an import of its module -- and its
+  `keras.utils.PyDataset` base is swapped for a TensorFlow-free stand-in in workers.
+  Workers then import TensorFlow only if the dataset's own methods use it.
+* Open handles -- h5py objects, files opened for reading, memmaps -- travel as the name of
+  what they have open and are reopened in each worker (`_handles.py`); the user's object is
+  not touched. Handles that cannot be reopened (a file open for writing, a socket, a
+  database connection) and locks cannot cross processes: the error names the attribute and
+  says what works instead.
 """
 
 import contextlib
 import io
 import os
 import pickle
+import re
 import sys
 import sysconfig
 import types
@@ -27,7 +32,7 @@ import types
 import cloudpickle
 import numpy as np
 
-from kpipe._engine import _pydataset_shim
+from kpipe._engine import _handles, _pydataset_shim
 from kpipe._engine._shm import Segment, fd_limit_error, is_fd_exhaustion, plan_layout
 from kpipe._engine._submodule_scan import submodule_scan
 from kpipe.errors import DatasetPicklingError, LoaderError
@@ -149,22 +154,37 @@ class _Pickler(cloudpickle.Pickler):
     def persistent_id(self, obj):  # called for every object pickled
         if type(obj) in _PLAIN_TYPES:
             return None
-        if type(obj) is np.ndarray:
-            if self._shared is not None and obj.nbytes >= SHARE_MIN_BYTES and obj.dtype.kind in _OK_KINDS:
-                key, _ = self._shared.put(obj, compare=self._compare)
-                self._used.add(key)
-                return ("kpipe-shared-array", key, self._shared.layout(key)[0])
-            return None
-        module = type(obj).__module__ or ""
-        if module.startswith("h5py."):
-            raise _Unshareable(obj)
+        if type(obj) is np.ndarray and obj.base is None:
+            return self._share(obj)
+        spec = _handles.spec_of(obj)  # (an open handle: sent as what it has open)
+        if spec is not None:  # (as bytes: the same bytes whatever the spec's objects share)
+            return ("kpipe-handle", pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+        if type(obj) is np.ndarray:  # (a view, of no memmap)
+            return self._share(obj)
+        return None
+
+    def _share(self, arr):
+        if self._shared is not None and arr.nbytes >= SHARE_MIN_BYTES and arr.dtype.kind in _OK_KINDS:
+            key, _ = self._shared.put(arr, compare=self._compare)
+            self._used.add(key)
+            return ("kpipe-shared-array", key, self._shared.layout(key)[0])
         return None
 
 
-class _Unshareable(Exception):
-    def __init__(self, obj):
-        super().__init__(obj)
-        self.obj = obj
+_WHAT_WORKS = (
+    "create it lazily inside __getitem__, once per process (`if self.conn is None: self.conn = "
+    "connect(...)`); or drop it in `__getstate__` and create it again in `__setstate__`; or keep "
+    "a factory (a function that creates it) instead of the object; or pass use_threads=True / "
+    "workers=0 to keep the dataset in this process"
+)
+
+
+def _unreopenable_message(what, obj, exc):
+    where = _find_attribute(obj, exc.obj)
+    fix = f"{exc.fix[0].upper()}{exc.fix[1:]}; or" if exc.fix else "What works:"
+    return (f"{what} holds {exc.what}{where} ({_short(exc.obj)}), which cannot be sent to worker "
+            f"processes: {exc.reason}. (kpipe reopens h5py objects, files opened for reading and "
+            f"memmaps in each worker by their file name.) {fix} {_WHAT_WORKS}.")
 
 
 _HEAVY_MODULES = ("keras", "tensorflow", "tf_keras", "jax", "torch")
@@ -187,33 +207,85 @@ def _library_paths():
     return _PATHS[1], _PATHS[2]
 
 
-def _imports_heavy(module):
-    for value in vars(module).values():
-        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
-        if isinstance(name, str) and name.split(".")[0] in _HEAVY_MODULES:
-            return True
-    return False
+def _user_module(name):
+    """The module `name` when it is the user's own (not stdlib, site-packages, kpipe or a
+    heavy framework; not `__main__`), else None."""
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    path = getattr(module, "__file__", None)
+    if module is None or not isinstance(path, str) or name == "__main__":
+        return None
+    if name.split(".")[0] in _HEAVY_MODULES + ("kpipe",):
+        return None
+    libs, real = _library_paths()
+    resolved = real.get(path)
+    if resolved is None:
+        resolved = real[path] = os.path.realpath(path)
+    return None if resolved.startswith(libs) else module
+
+
+def _module_of(value):
+    name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+    return name if isinstance(name, str) else None
+
+
+class _HeavyScan:
+    """Which user modules import Keras/TF/JAX/torch when imported -- directly, through
+    another user module they take a name from (`from mypkg.base import Base`, whose
+    module imports keras), or through their package's `__init__` -- found by reading
+    module globals, never by importing anything."""
+
+    def __init__(self):
+        self.heavy = {}  # module name -> bool (None while it is being read: an import cycle)
+
+    def is_heavy(self, module):
+        name = module.__name__
+        if name in self.heavy:
+            return bool(self.heavy[name])
+        self.heavy[name] = None
+        found = False
+        parent = _user_module(name.rpartition(".")[0])
+        if parent is not None and self.is_heavy(parent):
+            found = True
+        for value in list(vars(module).values()):
+            dep = _module_of(value)
+            if dep is None:
+                continue
+            if dep.split(".")[0] in _HEAVY_MODULES:
+                found = True
+                continue
+            dep_module = _user_module(dep)
+            if dep_module is not None and dep_module is not module and self.is_heavy(dep_module):
+                found = True  # (and read on: every user module reached gets its answer)
+        self.heavy[name] = found
+        return found
+
+    def roots(self, module):
+        """`module`'s user-module dependencies (for `__main__`, whose classes travel by
+        value anyway but whose globals can name heavy user modules)."""
+        for value in list(vars(module).values()):
+            dep_module = _user_module(_module_of(value))
+            if dep_module is not None:
+                self.is_heavy(dep_module)
 
 
 def _by_value_modules(obj):
-    """User modules (not stdlib/site-packages) defining `obj`'s classes that import Keras/TF."""
-    out = []
-    libs, real = _library_paths()
+    """User modules that import Keras/TF (`_HeavyScan`) among those that define `obj`'s
+    classes and those their globals lead to: their classes and functions travel by value,
+    so that a worker imports none of them -- and so imports TensorFlow only if the
+    dataset's own code does. A dataset class whose module imports only its base's module
+    (which imports keras) is one of them, as is the base itself."""
+    scan = _HeavyScan()
     for cls in type(obj).__mro__:
-        module = sys.modules.get(cls.__module__)
-        path = getattr(module, "__file__", None)
-        if module is None or not path or cls.__module__ == "__main__" or module in out:
+        if cls.__module__ == "__main__":
+            main = sys.modules.get("__main__")
+            if main is not None and "__main__" not in scan.heavy:
+                scan.heavy["__main__"] = False
+                scan.roots(main)
             continue
-        if cls.__module__.split(".")[0] in _HEAVY_MODULES + ("kpipe",):
-            continue
-        resolved = real.get(path)
-        if resolved is None:
-            resolved = real[path] = os.path.realpath(path)
-        if resolved.startswith(libs):
-            continue
-        if _imports_heavy(module):
-            out.append(module)
-    return out
+        module = _user_module(cls.__module__)
+        if module is not None:
+            scan.is_heavy(module)
+    return [sys.modules[name] for name, heavy in scan.heavy.items() if heavy and name in sys.modules]
 
 
 by_value_modules = _by_value_modules  # (for `_unsent.py`: classes of these modules travel by value)
@@ -245,14 +317,8 @@ def dumps(obj, shared=None, what=None):
     try:
         with _pickled_by_value(_by_value_modules(obj)), submodule_scan():
             _Pickler(buf, shared, used).dump(obj)
-    except _Unshareable as exc:
-        where = _find_attribute(obj, exc.obj)
-        raise DatasetPicklingError(
-            f"{what} holds an open h5py object{where} ({_short(exc.obj)}), which cannot be "
-            "sent to worker processes. Open the file lazily instead, once per process: keep "
-            "only the path in __init__ (e.g. self._h5 = None) and in __getitem__ do "
-            "`if self._h5 is None: self._h5 = h5py.File(self.path, 'r')`."
-        ) from None
+    except _handles.Unreopenable as exc:
+        raise DatasetPicklingError(_unreopenable_message(what, obj, exc)) from None
     except LoaderError:  # DatasetPicklingError, or out of file descriptors
         raise
     except Exception as exc:
@@ -261,9 +327,8 @@ def dumps(obj, shared=None, what=None):
         where = _find_unpicklable(obj)
         raise DatasetPicklingError(
             f"{what} cannot be pickled to send it to worker processes{where}: "
-            f"{type(exc).__name__}: {exc}. Objects such as open files, locks, sockets or "
-            "database connections must be created lazily inside __getitem__ (once per "
-            "process), or pass use_threads=True / workers=0 to keep the dataset in this process."
+            f"{type(exc).__name__}: {exc}. What works for such an object (a lock, a socket, a "
+            f"database connection, a file opened for writing): {_WHAT_WORKS}."
         ) from exc
     return buf.getvalue(), used
 
@@ -295,10 +360,11 @@ class _Unpickler(pickle.Unpickler):
         self._swaps = _pydataset_shim.SWAPS if swaps else {}
 
     def persistent_load(self, pid):
-        tag, key, layout = pid
-        if tag != "kpipe-shared-array":
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-        return self._segments[key].views([layout])[0]
+        if pid[0] == "kpipe-shared-array":
+            return self._segments[pid[1]].views([pid[2]])[0]
+        if pid[0] == "kpipe-handle":
+            return _handles.reopen(pickle.loads(pid[1]))
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
     def find_class(self, module, name):
         swap = self._swaps.get((module, name))
@@ -349,27 +415,29 @@ def loads_apart(payload, segments):
         module._lookup_class_or_track = lookup
 
 
-def _find_attribute(root, target):
-    """Returns ' in `self.attr`' when `target` is an attribute (or one level deeper) of root."""
+def _attributes(root):
+    """`(where, value)` for `root`'s attributes and the items of those that are lists,
+    tuples or dicts (one level deeper): the places an error message can point at."""
     attrs = getattr(root, "__dict__", None)
     if not isinstance(attrs, dict):
-        return ""
+        return
     for name, value in attrs.items():
-        if value is target:
-            return f" in `self.{name}`"
+        yield f"self.{name}", value
         if isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
-                if v is target:
-                    return f" in `self.{name}[{i}]`"
-        if isinstance(value, dict):
+                yield f"self.{name}[{i}]", v
+        elif isinstance(value, dict):
             for k, v in value.items():
-                if v is target:
-                    return f" in `self.{name}[{k!r}]`"
-    return ""
+                yield f"self.{name}[{k!r}]", v
+
+
+def _find_attribute(root, target):
+    """Returns ' in `self.attr`' when `target` is an attribute (or one level deeper) of root."""
+    return next((f" in `{where}`" for where, value in _attributes(root) if value is target), "")
 
 
 def _find_unpicklable(root, max_depth=4, max_items=2000):
-    """' -- `self.guard` (a lock)' for the deepest attribute path (through attributes,
+    """' (`self.guard` holds a _thread.lock)' for the deepest attribute path (through attributes,
     dict values, list/tuple items) whose value cloudpickle refuses, or '' if none is found
     within `max_depth` levels and `max_items` values tried. Run once, when pickling failed."""
     budget = [max_items]
@@ -411,8 +479,10 @@ def _find_unpicklable(root, max_depth=4, max_items=2000):
         for part, child in _follow(root, path[4:]):
             leaf = child
     except Exception:
-        return f" -- `{path}`"
-    return f" -- `{path}` ({_short(leaf, 60)}, a {type(leaf).__module__}.{type(leaf).__qualname__})"
+        return f" (`{path}`)"
+    module = type(leaf).__module__
+    kind = type(leaf).__qualname__ if module == "builtins" else f"{module}.{type(leaf).__qualname__}"
+    return f" (`{path}` holds a {kind})"
 
 
 def _follow(root, rest):

@@ -20,6 +20,23 @@ class WorkerInfo:
             position)`, so the draws in `__getitem__` do not depend on the worker count.
         pid: The worker's process id.
         mode: `"process"` or `"thread"`.
+
+    Instances are immutable and may be shared across threads and processes.
+
+    Example:
+
+    >>> import numpy as np, kpipe
+    >>> kpipe.worker_info() is None   # the main process is no worker
+    True
+    >>> class WhoLoads:
+    ...     def __len__(self):
+    ...         return 2
+    ...     def __getitem__(self, i):
+    ...         info = kpipe.worker_info()
+    ...         return np.array([info.id, info.num_workers])
+    >>> with kpipe.ProcessLoader(WhoLoads(), workers=1) as loader:
+    ...     loader[0].tolist()
+    [0, 1]
     """
 
     id: int

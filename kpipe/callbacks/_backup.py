@@ -133,6 +133,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             Without it, the input restarts wherever it starts; with `save_freq=N`,
             `fit()` then refuses inputs other than unshuffled NumPy arrays (see below).
             Defaults to `None`.
+        verbose: 1 to print one line when `fit()` resumes (epoch, step, the backup
+            used), 0 to log it instead (logger `kpipe.callbacks`, level INFO). Defaults to 1.
 
     Attributes:
         worker_dir: This worker's directory.
@@ -170,12 +172,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     ...     model.fit(x, y, epochs=4, verbose=0, callbacks=[backup, Interrupt()])
     ... except RuntimeError:
     ...     pass
-    >>> history = model.fit(x, y, epochs=4, verbose=0, callbacks=[backup])
+    >>> history = model.fit(x, y, epochs=4, verbose=0, callbacks=[backup])  # doctest: +ELLIPSIS
+    BackupAndRestore: resuming at epoch 2, step 0 (2 training steps done) from backup .../epoch-000002.
     >>> backup.restored_epoch, len(history.history["loss"])
     (2, 2)
     """
 
-    def __init__(self, backup_dir, *, save_freq="epoch", keep: int = 2, loaders=None):
+    def __init__(self, backup_dir, *, save_freq="epoch", keep: int = 2, loaders=None, verbose: int = 1):
         super().__init__()
         if not backup_dir:
             raise ValueError(f"`backup_dir` must be a non-empty path. Received: "
@@ -195,6 +198,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq if isinstance(save_freq, str) else int(save_freq)
         self.keep = keep
         self.loaders = _check_loaders(loaders)
+        self.verbose = verbose
         self.restored_epoch: Optional[int] = None
         self.restored_step: Optional[int] = None
         self._kind = "epoch" if isinstance(save_freq, str) else "step"
@@ -253,9 +257,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.model._initial_epoch = metadata["epoch"]  # noqa: SLF001 -- how Keras's callback resumes
         self._set_initial_epoch = True
         self.restored_epoch, self.restored_step = metadata["epoch"], metadata["step"]
-        logger.info("BackupAndRestore: resuming at epoch %d, step %d (%d training steps done) "
-                    "from %s.", metadata["epoch"], metadata["batch"], metadata["step"],
-                    self.worker_dir)
+        line = (f"BackupAndRestore: resuming at epoch {metadata['epoch']}, step {metadata['batch']} "
+                f"({metadata['step']} training steps done) from backup {self._dir(index)}.")
+        print(line) if self.verbose else logger.info(line)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._batch = epoch, 0

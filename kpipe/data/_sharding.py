@@ -15,6 +15,17 @@ class ShardSpec:
     Attributes:
         num_shards: How many input pipelines split the data. 1 reads everything.
         index: This pipeline's shard, `0 <= index < num_shards`.
+
+    Instances are immutable and may be shared across threads and processes.
+
+    Example:
+
+    >>> from kpipe.data import ShardSpec
+    >>> spec = ShardSpec(num_shards=3, index=1)
+    >>> spec.range(10), str(spec)   # samples 3, 4, 5 of 10
+    ((3, 6), 'shard 1 of 3')
+    >>> [ShardSpec(3, i).range(10) for i in range(3)]   # disjoint, covering everything
+    [(0, 3), (3, 6), (6, 10)]
     """
 
     num_shards: int = 1

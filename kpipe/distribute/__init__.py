@@ -8,7 +8,8 @@ first use.
 
 * `cluster_info()`, `default_shard()`, `TFConfigError` -- who am I, from `TF_CONFIG`.
 * `auto_strategy()`, `MultiWorkerMirroredStrategy` -- the strategy for this process, with
-  the repair Keras 3 `fit()` needs under multi-worker training.
+  the repair Keras 3 `fit()` needs under multi-worker training; `DeviceNotFoundError` --
+  `auto_strategy(devices=...)` names a device this process does not have.
 * `is_presharded()`, `mark_presharded()`, `check_shuffle_seed()` -- input sharding rules.
 * `scaled_learning_rate()` -- the linear scaling rule (see `kpipe.callbacks.Warmup`).
 * `chief_only()`, `chief_path()`, `per_worker_path()` -- files written by the chief only.
@@ -23,6 +24,7 @@ first use.
 """
 
 from kpipe import _lazy
+from kpipe._devices import DeviceNotFoundError
 from kpipe.distribute._chief import chief_only, chief_path, per_worker_path
 from kpipe.distribute._cluster import ClusterInfo, TFConfigError, cluster_info, default_shard
 from kpipe.distribute._launcher import LaunchResult, launch, tf_configs
@@ -45,7 +47,7 @@ _LAZY_ATTRS = {
 }
 
 __all__ = sorted([
-    "ClusterInfo", "LaunchResult", "OpenPortsWarning", "TFConfigError", "check_shuffle_seed", "chief_only",
+    "ClusterInfo", "DeviceNotFoundError", "LaunchResult", "OpenPortsWarning", "TFConfigError", "check_shuffle_seed", "chief_only",
     "chief_path", "cluster_info", "default_shard", "free_ports", "is_presharded", "launch",
     "mark_presharded", "per_worker_path", "scaled_learning_rate", "tf_configs",
     *_LAZY_ATTRS,

@@ -18,7 +18,22 @@ _KNOWN_TYPES = ("chief", "worker", "ps", "evaluator")
 
 
 class TFConfigError(ValueError):
-    """`TF_CONFIG` is not a valid cluster description."""
+    """`TF_CONFIG` is not a valid cluster description.
+
+    Raised by `cluster_info()` (and so by everything that reads the cluster:
+    `auto_strategy()`, `default_shard()`, `chief_only()`) with what is wrong and an
+    example of a valid value.
+
+    Example:
+
+    >>> import kpipe.distribute
+    >>> try:
+    ...     kpipe.distribute.cluster_info(
+    ...         '{"cluster": {"worker": ["h1:2222"]}, "task": {"type": "worker", "index": 3}}')
+    ... except kpipe.distribute.TFConfigError as e:
+    ...     print(str(e)[:83])
+    Invalid `TF_CONFIG`: `task.index` 3 is out of range for the 1 'worker' address(es).
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +54,15 @@ class ClusterInfo:
         is_chief: Whether this process writes checkpoints, logs and saved models: the
             `chief` task, or worker 0 when the cluster has no chief, or the only process.
         rpc_layer: The `rpc_layer` of `TF_CONFIG`, `None` when absent.
+
+    Example:
+
+    >>> import kpipe.distribute
+    >>> info = kpipe.distribute.cluster_info(
+    ...     '{"cluster": {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"]},'
+    ...     ' "task": {"type": "worker", "index": 1}}')
+    >>> info.num_workers, info.worker_index, info.is_chief, info.address
+    (3, 2, False, 'h2:2222')
     """
 
     cluster: Mapping[str, Tuple[str, ...]]

@@ -74,6 +74,13 @@ class LaunchResult:
             `returncodes`), else `None`. Under multi-worker training its leaving is what
             made the others' collectives fail: it started the shutdown, while
             `failed_worker` names the first process that then failed.
+
+    Example:
+
+    >>> import sys, kpipe.distribute
+    >>> result = kpipe.distribute.launch([sys.executable, "-c", "import sys; sys.exit(0)"], workers=2)
+    >>> result.returncode, result.returncodes, result.tasks
+    (0, (0, 0), ('worker 0', 'worker 1'))
     """
 
     returncode: int

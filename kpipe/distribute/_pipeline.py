@@ -94,6 +94,17 @@ class PipelineModel(keras.Model):
     tensor inside a stage other than through the model's outputs (and the logits Keras's
     crossentropies read behind a softmax or sigmoid output): a layer's `add_loss`, or a
     custom loss reading such a tensor.
+
+    Example:
+
+    >>> import keras, numpy as np, kpipe.distribute
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="a"),
+    ...                           keras.layers.Dense(1, name="b")])
+    >>> piped = kpipe.distribute.pipeline_model(model, ["/cpu:0", "/cpu:0"], split_at="a")
+    >>> isinstance(piped, kpipe.distribute.PipelineModel), piped.stage_devices
+    (True, ('/device:CPU:0', '/device:CPU:0'))
+    >>> len(piped.weights) == len(model.weights)   # the unsplit model's weights
+    True
     """
 
     def __init__(self, stages, layers, num_microbatches, name=None):

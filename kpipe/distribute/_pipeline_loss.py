@@ -77,6 +77,23 @@ class PipelineGradientError(RuntimeError):
     Raised on the first training step. The fix is to compute the loss from `y_pred`
     (the model's outputs) or from the logits behind a softmax/sigmoid output, or to make
     the tensor the loss needs an output of the model.
+
+    Example (a layer's `add_loss` reads a tensor inside stage 0):
+
+    >>> import keras, numpy as np, kpipe.distribute
+    >>> class Penalized(keras.layers.Dense):
+    ...     def call(self, inputs):
+    ...         outputs = super().call(inputs)
+    ...         self.add_loss(0.01 * keras.ops.mean(outputs ** 2))
+    ...         return outputs
+    >>> model = keras.Sequential([keras.Input((4,)), Penalized(8, name="a"), keras.layers.Dense(1, name="b")])
+    >>> piped = kpipe.distribute.pipeline_model(model, ["/cpu:0", "/cpu:0"], split_at="a")
+    >>> piped.compile("sgd", "mse")
+    >>> try:
+    ...     piped.fit(np.ones((8, 4)), np.ones((8, 1)), batch_size=4, verbose=0)
+    ... except kpipe.distribute.PipelineGradientError as e:
+    ...     print("add_loss" in str(e))
+    True
     """
 
 

@@ -30,6 +30,19 @@ class OpenPortsWarning(UserWarning):
     TensorFlow's gRPC servers and tf.data service servers cannot bind a chosen address
     (see the README's "Security" section); filter this warning once the ports are fenced
     off by a firewall or a private network.
+
+    Issued by `start_dispatcher()`, `start_worker()` and `launch()` (for the servers of
+    its processes).
+
+    Example:
+
+    >>> import warnings, kpipe.distribute
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     dispatcher = kpipe.distribute.start_dispatcher()
+    >>> [w.category.__name__ for w in caught]
+    ['OpenPortsWarning']
+    >>> warnings.filterwarnings("ignore", category=kpipe.distribute.OpenPortsWarning)  # once fenced off
     """
 
 

@@ -75,7 +75,22 @@ _DATA_SERVICE_HINT = (
 
 
 class ParameterServerError(RuntimeError):
-    """A parameter server of a `ps_fit` job is unreachable: its variables are lost."""
+    """A parameter server of a `ps_fit` job is unreachable: its variables are lost.
+
+    `ps_fit` raises it, in place of TensorFlow's `UnavailableError`, when a step fails
+    because a `ps` task went away; the message names the task and its address and says
+    how a relaunch resumes (`backup_dir=`). Relaunch the whole job.
+
+    Example (the error `ps_fit` makes of TensorFlow's, without a cluster to lose):
+
+    >>> import tensorflow as tf, kpipe.distribute
+    >>> from kpipe.distribute import _ps_fit
+    >>> lost = tf.errors.UnavailableError(None, None, "failed to connect to all addresses; "
+    ...                                   "/job:ps/replica:0/task:0")
+    >>> error = _ps_fit._ps_error(lost, tf.distribute.get_strategy(), None, None)
+    >>> isinstance(error, kpipe.distribute.ParameterServerError), str(error)[:40]
+    (True, 'Parameter server ps 0 (?) is unreachable')
+    """
 
 
 def ps_fit(model, dataset_fn: Callable, *, epochs: int, steps_per_epoch: int,

@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from kpipe import _compat, _keras_hook
+from kpipe import _compat, _devices, _keras_hook
 from kpipe.distribute import _global_batch, _sharding
 from kpipe.distribute._cluster import cluster_info
 
@@ -216,6 +216,8 @@ def auto_strategy(*, devices: Optional[Sequence[str]] = None, communication: str
         A `tf.distribute.Strategy`.
 
     Raises:
+        kpipe.distribute.DeviceNotFoundError: `devices` names a device this process does
+            not have (the message lists those found and how to create logical devices).
         ValueError: `communication` is unknown, `devices` is given under a multi-worker
             `TF_CONFIG`, or a cluster with `ps` tasks lacks a chief or workers (or this
             task is its evaluator).
@@ -252,7 +254,8 @@ def auto_strategy(*, devices: Optional[Sequence[str]] = None, communication: str
                     info.num_workers, strategy.num_replicas_in_sync)
         return strategy
     if devices is not None:
-        strategy = tf.distribute.MirroredStrategy(devices=list(devices))
+        devices = _devices.check_devices(devices)  # (a missing device makes fit() hang, not fail)
+        strategy = tf.distribute.MirroredStrategy(devices=devices)
         logger.info("auto_strategy: MirroredStrategy over the devices given: %s.",
                     list(devices))
         return strategy
