@@ -388,7 +388,7 @@ class Reader:
         if current is None or current.pass_ != self.position.head[0] or backend is None or backend.closed:
             return False, None
         payload, keys, rewrote = backend.dump(self.dataset)
-        if self.ahead.kept(current, payload, keys, rewrote, n):
+        if self.ahead.kept(current, payload, keys, rewrote, n, shared=backend.shared):
             return True, None
         return False, (payload, keys)  # (the caller records the pass's real length)
 

@@ -321,3 +321,35 @@ def test_slot_reuse_can_be_turned_off(no_leaks, monkeypatch):
         created = slots._next_id
         loads = loader.stats()["loads"]
     assert created == loads >= 12  # a new slot for every batch loaded
+
+
+def _scaled(x):  # a helper a dataset's methods call: sent by value with them
+    return x * 2
+
+
+def test_epoch_end_ahead_keeps_passes_of_a_class_sent_by_value(no_leaks):
+    """The copy is rebuilt with a class of its own, whose pickle differs from the user's in
+    what pickle memoises (interned names): the check compares like with like (`repickled`),
+    so a hook that changes only the dataset keeps every pass loaded ahead."""
+
+    class Counts:
+        def __init__(self):
+            self.epoch = 0
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return _scaled(np.array([self.epoch * 10 + i]))
+
+        def on_epoch_end(self):
+            self.epoch += 1
+
+    with kpipe.ProcessLoader(Counts(), workers=2, epoch_end_ahead=True) as loader:
+        got = []
+        for _ in range(4):
+            got.append([int(loader[i][0]) for i in range(3)])
+            loader.on_epoch_end()
+        ahead = loader.stats()["ahead"]
+    assert got == [[0, 2, 4], [20, 22, 24], [40, 42, 44], [60, 62, 64]]
+    assert ahead["kept"] >= 3 and ahead["missed"] == 0, ahead

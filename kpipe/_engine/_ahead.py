@@ -119,6 +119,21 @@ class _Aliases:
         return self._shared.layout(key)
 
 
+def repickled(payload, shared, what):
+    """`payload` rebuilt as `run_hook_on_copy` rebuilds it and pickled again, without the
+    hooks: how the dataset's own state would pickle had it been rebuilt like the copy.
+    Rebuilt objects differ from the originals in what pickle memoises (a code object
+    interns its names, an unpickled dict key is a string of its own), so equal states can
+    pickle to other bytes; two rebuilt ones pickle alike. None where it cannot be done."""
+    arrays = _ReadOnlyArrays(shared) if shared is not None else None
+    try:
+        rebuilt = _pickling.loads_apart(payload, arrays if arrays is not None else {})
+        out, _ = _pickling.dumps(rebuilt, _Aliases(shared, arrays.ids) if arrays is not None else None, what=what)
+    except Exception:
+        return None
+    return out
+
+
 def run_hook_on_copy(payload, shared, *, call_hooks, num_batches, what):
     """Runs the dataset's pass-end hooks on a copy rebuilt from `payload`.
 
@@ -235,11 +250,15 @@ class LoadAhead:
         self.current = Ahead(pass_, out, out_keys, n, payload, keys)
         return self.current
 
-    def kept(self, ahead, payload, keys, rewrote, n):
+    def kept(self, ahead, payload, keys, rewrote, n, shared=None):
         """Whether the batches loaded ahead from `ahead` stand: the dataset, after its real
         hooks, pickles to `payload` (with shared `keys`; `rewrote`: it edited a shared
-        array in place) and has `n` batches -- exactly the copy's."""
-        if payload == ahead.payload and keys == ahead.keys and not rewrote and n == ahead.num_batches:
+        array in place) and has `n` batches -- exactly the copy's, once rebuilt as the copy
+        was (`repickled`; `shared`: the backend's shared arrays)."""
+        same = payload == ahead.payload or (
+            keys == ahead.keys and not rewrote and n == ahead.num_batches
+            and repickled(payload, shared, f"`{self.name}`") == ahead.payload)
+        if same and keys == ahead.keys and not rewrote and n == ahead.num_batches:
             self.stats["kept"] += 1
             self._fails = 0
             return True
