@@ -23,8 +23,10 @@ class ProcessLoader(keras.utils.PyDataset):
     after every array of its batch was garbage collected.
 
     The loader is itself a `keras.utils.PyDataset`, so `fit`, `evaluate`, `predict` and
-    `validation_data` take it unchanged. It orders its own batches (see `shuffle`):
-    Keras's `fit(shuffle=...)` does not reorder a `ProcessLoader`.
+    `validation_data` take it unchanged. It orders its own batches (see `shuffle`): by
+    default as plain Keras orders a `PyDataset` -- a new permutation every pass in a
+    `fit()` that shuffles (`fit(shuffle=True)`, its default), in order elsewhere -- but
+    drawn by the loader, so its workers still load ahead.
 
     Passes, not Keras epochs: the loader serves a sequence of *passes*, each every batch
     once in that pass's order, and whatever `steps_per_epoch`, `epochs` or `workers`,
@@ -116,13 +118,29 @@ class ProcessLoader(keras.utils.PyDataset):
             when the last batch times the queue length would exceed it (at least one
             batch per worker stays in flight). Defaults to None (batches only).
         shuffle: Permute the batch order every pass, from `(seed, pass)` only: the
-            same seed gives the same batches whatever `workers` is. Defaults to False.
+            same seed gives the same batches whatever `workers` is. None follows the
+            consumer as plain Keras does: inside a `fit()` that reads this loader as
+            `x`, `fit(shuffle=...)` decides (`True`, fit's default: a new permutation
+            every pass); `evaluate`, `predict`, validation, manual loops and
+            `as_dataset()` read in order. `True`/`False` apply everywhere and win over
+            `fit(shuffle=...)` (one warning when a fit passes the other value). A
+            sharded loader (`num_shards > 1`) without a `seed` stays in order under
+            `fit(shuffle=True)` (with a warning): the workers' orders must agree.
+            After a `fit()` the next passes take the loader's own setting again on
+            the TensorFlow backend (elsewhere at the next Keras call). Defaults to
+            None.
         seed: Seed of the shuffle and of the workers' `random`/`numpy.random`:
             worker processes reseed both before each batch from `(seed, pass,
             position)`, so random augmentation gives the same batch whatever `workers`
             is, also after `restore()` with another worker count (threads and
             `workers=0` share this process's generators and are not reseeded; see
-            `kpipe.worker_info()`). Defaults to None (random).
+            `kpipe.worker_info()`). Where it comes from when None: each `fit()`
+            draws the seed of the passes it reads from Python's `random` as it
+            begins -- what `keras.utils.set_random_seed(s)` seeds, as it seeds plain
+            Keras's shuffle -- so runs seeded alike train on the same orders and
+            batches, unseeded runs differ; outside `fit()` a random seed drawn when
+            the loader is built. `state()` records the seed in use, and `restore()`
+            takes it. Defaults to None.
         start_method: How workers start. `"forkserver"`: kpipe starts one fresh
             interpreter (no TensorFlow, no re-import of `__main__`) that unpickles the
             dataset once and forks every worker from it in milliseconds, sharing its
@@ -194,7 +212,7 @@ class ProcessLoader(keras.utils.PyDataset):
         worker_threads=None,
         max_queue_size=None,
         max_queue_bytes=None,
-        shuffle=False,
+        shuffle=None,
         seed=None,
         start_method=None,
         use_threads=False,
@@ -220,7 +238,7 @@ class ProcessLoader(keras.utils.PyDataset):
         _args.check_dataset(dataset)
         self.dataset = dataset
         self.worker_threads = _args.check_worker_threads(_threads.check(worker_threads), workers, use_threads)
-        self.shuffle = bool(shuffle)
+        self.shuffle = None if shuffle is None else bool(shuffle)  # None: follows fit(shuffle=...)
         self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else _args.check_int("seed", seed, 0, "")
         self.use_threads = bool(use_threads)
         keyed = isinstance(dataset, _samples.SampleBatches)  # from_samples: keys `(pass, batch)`
@@ -241,11 +259,12 @@ class ProcessLoader(keras.utils.PyDataset):
             max_queue_size=max_queue_size, max_queue_bytes=max_queue_bytes, shuffle=self.shuffle, seed=self.seed,
             num_shards=num_shards, shard_index=shard_index, start_method=self.start_method, use_threads=self.use_threads,
             timeout=timeout, epoch_end_ahead=epoch_end_ahead, autoscale=autoscale, keyed_by_pass=keyed, remote=remote,
+            seed_given=seed is not None,
         )
         _stream.register(self, self._reader)
 
     @classmethod
-    def from_samples(cls, dataset, batch_size, *, shuffle=False, seed=None, drop_remainder=False, **kwargs):
+    def from_samples(cls, dataset, batch_size, *, shuffle=None, seed=None, drop_remainder=False, **kwargs):
         """A loader of batches of `batch_size` samples of a per-sample `dataset`, each
         sample written by the worker straight into the batch's shared memory.
 
@@ -259,9 +278,13 @@ class ProcessLoader(keras.utils.PyDataset):
             dataset: `__getitem__(j)` and `__len__()` (samples). Its own
                 `on_epoch_end`/`on_epoch_begin`, if any, run as the loader's rule says.
             batch_size: Samples per batch.
-            shuffle: A new sample order every pass. Defaults to False.
-            seed: Seed of the sample order and of the workers' random generators.
-                Defaults to None (random).
+            shuffle: A new sample order every pass (samples are shuffled, then cut
+                into batches; the batches' order follows it). None follows
+                `fit(shuffle=...)` as for a `PyDataset` (see `ProcessLoader`'s
+                `shuffle`): inside a `fit()` that shuffles -- its default -- a new sample
+                order every pass, in order elsewhere. Defaults to None.
+            seed: Seed of the sample order and of the workers' random generators
+                (None: as `ProcessLoader`'s `seed`). Defaults to None.
             drop_remainder: Leave out the last `len(dataset) % batch_size` samples of
                 each pass instead of a smaller last batch. Defaults to False.
             **kwargs: Any other `ProcessLoader` argument (`workers`, `num_shards`...).
@@ -284,9 +307,9 @@ class ProcessLoader(keras.utils.PyDataset):
         >>> x.shape, y.tolist()
         ((2, 3), [0, 1])
         """
-        batches = _samples.for_loader(dataset, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+        batches = _samples.for_loader(dataset, batch_size, shuffle=bool(shuffle), seed=seed, drop_remainder=drop_remainder,
                                       has_hooks=_dataset_api.has_hooks(dataset))
-        return cls(batches, seed=batches.seed, **kwargs)
+        return cls(batches, shuffle=shuffle, seed=seed, **kwargs)
 
     @property
     def num_workers(self):
@@ -390,18 +413,21 @@ class ProcessLoader(keras.utils.PyDataset):
         """Continues from `state` (from `state()`, possibly of another process).
 
         Work in flight is dropped; the next read starts at the saved position of the
-        saved pass, with that pass's shuffle plan, whatever `workers` was before or is
-        now. A dataset with its own epoch state (e.g. an index reshuffled in
+        saved pass, with that pass's shuffle plan (its `shuffle` and `seed`, which the
+        later passes keep too), whatever `workers` was before or is now. A dataset with its own epoch state (e.g. an index reshuffled in
         `on_epoch_end`) must restore that state itself.
 
         Raises:
-            ValueError: if the state was saved for another dataset length, seed,
-                shuffle setting or sharding, or is malformed.
+            ValueError: if the state was saved for another dataset length or sharding,
+                for another seed than the loader's `seed` (when given), or with another
+                shuffle setting than the loader's `shuffle` (when True or False), or is
+                malformed.
         """
         reader = self._reader
-        pass_, position, num_batches = reader.position.check_state(state, same_length=not reader.stateful, name=self._name)
+        pass_, position, num_batches, order = reader.position.check_state(state, same_length=not reader.stateful,
+                                                                           name=self._name)
         with reader.lock:
-            reader.jump(pass_, position, num_batches)
+            reader.jump(pass_, position, num_batches, order)
 
     def stats(self):
         """Counters since construction: `batches` (handed out), `samples`, `bytes`,
