@@ -123,6 +123,12 @@ def _passed(model, name, value):
 
 
 def _warn_once(loader, message):
-    if loader not in _WARNED:
-        _WARNED.add(loader)
-        warnings.warn(message, stacklevel=4)
+    """Warns once per loader, pointing at the user's line that called Keras (the first
+    frame outside Keras and kpipe)."""
+    if loader in _WARNED:
+        return
+    _WARNED.add(loader)
+    level, frame = 1, sys._getframe(1)  # noqa: SLF001 -- level 1: this function
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("keras", "kpipe"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level + 1 if frame is not None else 2)

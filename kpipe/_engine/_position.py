@@ -192,6 +192,9 @@ class Position:
         self.own_shuffle = shuffle  # the loader's own setting: None, True or False
         self.seed_given = seed_given
         self.orders = PassOrders(bool(shuffle), seed)  # each pass's (shuffle, seed): see `follow`
+        # shuffle=None: nothing loads ahead until a consumer says which order (`follow`)
+        # or reads -- what loaded before fit() chose a permutation would be thrown away
+        self.order_due = shuffle is None
         self.keyed_by_pass = keyed_by_pass  # index() gives `(pass, index, seed)`: see `index`
         self.head = (0, 0)
         self.lengths = PassLengths(num_batches)  # the dataset's own len(), per pass, recorded once
@@ -272,6 +275,7 @@ class Position:
         """The passes from the first one no stream has begun on (the head's, unless a
         restore put the head inside it) take `(shuffle, seed)`. Returns that first pass if
         their order changed (what was loaded for them is stale), else None."""
+        self.order_due = False
         first = self.head[0] if self.head[1] == 0 else self.head[0] + 1
         return first if self.orders.set_from(first, shuffle, seed) else None
 
@@ -304,7 +308,10 @@ class Position:
 
     def read_ahead_limit(self):
         """The last pass worth loading now: the head's, and the next one only once the
-        head's pass is being read (tiny passes must not fill the queue two passes ahead)."""
+        head's pass is being read (tiny passes must not fill the queue two passes ahead);
+        none while the order is due (`order_due`)."""
+        if self.order_due:
+            return self.head[0] - 1
         return self.head[0] + 1 if self._handed_in_pass else self.head[0]
 
     # ------------------------------------------------------------------ streams
@@ -321,6 +328,7 @@ class Position:
         """A stream that hands out the rest of the head's pass (one Keras iterator);
         `confirm`: see `Stream`."""
         stream = Stream(self.head, probe=self.probing, hooks=hooks, confirm=confirm)
+        self.order_due = self.order_due and stream.probe  # a reader: the order is the one it finds
         if stream.probe:
             self._probe_streams.append(stream)
         else:
@@ -373,6 +381,7 @@ class Position:
         key = (self.head[0], index)
         if self.probing:
             return key, False
+        self.order_due = False
         sequential = index == self._direct_expect
         self._direct_expect = index + 1
         return key, sequential
@@ -421,6 +430,7 @@ class Position:
         self.record_length(pass_, self.dataset_length() if num_batches is None else num_batches)
         if order is not None:
             self.orders.set_from(pass_, *order)
+            self.order_due = False
         self.head = (pass_, position)
         self._handed_in_pass = False
         self._direct_expect = self._direct_done = position
