@@ -23,10 +23,8 @@ class ProcessLoader(keras.utils.PyDataset):
     after every array of its batch was garbage collected.
 
     The loader is itself a `keras.utils.PyDataset`, so `fit`, `evaluate`, `predict` and
-    `validation_data` take it unchanged. It orders its own batches (see `shuffle`): by
-    default as plain Keras orders a `PyDataset` -- a new permutation every pass in a
-    `fit()` that shuffles (`fit(shuffle=True)`, its default), in order elsewhere -- but
-    drawn by the loader, so its workers still load ahead.
+    `validation_data` take it unchanged. It draws its own batch order (see `shuffle`), by
+    default the one plain Keras would: shuffled in a `fit(shuffle=True)`, in order elsewhere.
 
     Passes, not Keras epochs: the loader serves a sequence of *passes*, each every batch
     once in that pass's order, and whatever `steps_per_epoch`, `epochs` or `workers`,
@@ -118,29 +116,16 @@ class ProcessLoader(keras.utils.PyDataset):
             when the last batch times the queue length would exceed it (at least one
             batch per worker stays in flight). Defaults to None (batches only).
         shuffle: Permute the batch order every pass, from `(seed, pass)` only: the
-            same seed gives the same batches whatever `workers` is. None follows the
-            consumer as plain Keras does: inside a `fit()` that reads this loader as
-            `x`, `fit(shuffle=...)` decides (`True`, fit's default: a new permutation
-            every pass); `evaluate`, `predict`, validation, manual loops and
-            `as_dataset()` read in order. `True`/`False` apply everywhere and win over
-            `fit(shuffle=...)` (one warning when a fit passes the other value). A
-            sharded loader (`num_shards > 1`) without a `seed` stays in order under
-            `fit(shuffle=True)` (with a warning): the workers' orders must agree.
-            After a `fit()` the next passes take the loader's own setting again on
-            the TensorFlow backend (elsewhere at the next Keras call). Defaults to
-            None.
+            same seed gives the same batches whatever `workers` is. None does as plain Keras:
+            shuffled in a `fit(shuffle=True)` (fit's default) reading it as `x`, in order
+            elsewhere; True/False win (rules: the NOTE in `kpipe/_order.py`). Defaults to None.
         seed: Seed of the shuffle and of the workers' `random`/`numpy.random`:
             worker processes reseed both before each batch from `(seed, pass,
             position)`, so random augmentation gives the same batch whatever `workers`
             is, also after `restore()` with another worker count (threads and
             `workers=0` share this process's generators and are not reseeded; see
-            `kpipe.worker_info()`). Where it comes from when None: each `fit()`
-            draws the seed of the passes it reads from Python's `random` as it
-            begins -- what `keras.utils.set_random_seed(s)` seeds, as it seeds plain
-            Keras's shuffle -- so runs seeded alike train on the same orders and
-            batches, unseeded runs differ; outside `fit()` a random seed drawn when
-            the loader is built. `state()` records the seed in use, and `restore()`
-            takes it. Defaults to None.
+            `kpipe.worker_info()`). None: each `fit()` draws one from Python's `random`
+            (`keras.utils.set_random_seed` fixes it), a random one elsewhere. Defaults to None.
         start_method: How workers start. `"forkserver"`: kpipe starts one fresh
             interpreter (no TensorFlow, no re-import of `__main__`) that unpickles the
             dataset once and forks every worker from it in milliseconds, sharing its
@@ -259,8 +244,7 @@ class ProcessLoader(keras.utils.PyDataset):
             max_queue_size=max_queue_size, max_queue_bytes=max_queue_bytes, shuffle=self.shuffle, seed=self.seed,
             num_shards=num_shards, shard_index=shard_index, start_method=self.start_method, use_threads=self.use_threads,
             timeout=timeout, epoch_end_ahead=epoch_end_ahead, autoscale=autoscale, keyed_by_pass=keyed, remote=remote,
-            seed_given=seed is not None,
-        )
+            seed_given=seed is not None)
         _stream.register(self, self._reader)
 
     @classmethod
@@ -278,13 +262,9 @@ class ProcessLoader(keras.utils.PyDataset):
             dataset: `__getitem__(j)` and `__len__()` (samples). Its own
                 `on_epoch_end`/`on_epoch_begin`, if any, run as the loader's rule says.
             batch_size: Samples per batch.
-            shuffle: A new sample order every pass (samples are shuffled, then cut
-                into batches; the batches' order follows it). None follows
-                `fit(shuffle=...)` as for a `PyDataset` (see `ProcessLoader`'s
-                `shuffle`): inside a `fit()` that shuffles -- its default -- a new sample
-                order every pass, in order elsewhere. Defaults to None.
-            seed: Seed of the sample order and of the workers' random generators
-                (None: as `ProcessLoader`'s `seed`). Defaults to None.
+            shuffle: A new sample order every pass (None: as `ProcessLoader`'s; the order
+                `fit(shuffle=True)` asks for is a sample order). Defaults to None.
+            seed: As `ProcessLoader`'s, also of the sample order. Defaults to None.
             drop_remainder: Leave out the last `len(dataset) % batch_size` samples of
                 each pass instead of a smaller last batch. Defaults to False.
             **kwargs: Any other `ProcessLoader` argument (`workers`, `num_shards`...).
@@ -413,19 +393,16 @@ class ProcessLoader(keras.utils.PyDataset):
         """Continues from `state` (from `state()`, possibly of another process).
 
         Work in flight is dropped; the next read starts at the saved position of the
-        saved pass, with that pass's shuffle plan (its `shuffle` and `seed`, which the
-        later passes keep too), whatever `workers` was before or is now. A dataset with its own epoch state (e.g. an index reshuffled in
-        `on_epoch_end`) must restore that state itself.
+        saved pass, with that pass's order (`shuffle`, `seed`; the next passes' too),
+        whatever `workers` was before or is now. A dataset with its own epoch state (e.g.
+        an index reshuffled in `on_epoch_end`) must restore that state itself.
 
         Raises:
-            ValueError: if the state was saved for another dataset length or sharding,
-                for another seed than the loader's `seed` (when given), or with another
-                shuffle setting than the loader's `shuffle` (when True or False), or is
-                malformed.
+            ValueError: a state of another dataset length, sharding, `seed` or
+                `shuffle` (when given to this loader), or a malformed one.
         """
         reader = self._reader
-        pass_, position, num_batches, order = reader.position.check_state(state, same_length=not reader.stateful,
-                                                                           name=self._name)
+        pass_, position, num_batches, order = reader.position.check_state(state, same_length=not reader.stateful, name=self._name)
         with reader.lock:
             reader.jump(pass_, position, num_batches, order)
 
