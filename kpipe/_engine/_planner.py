@@ -67,6 +67,7 @@ class PassOrders:
 
     >>> orders = PassOrders(False, 7)
     >>> orders.set_from(2, True, 11)
+    True
     >>> orders.at(0), orders.at(5)
     ((False, 7), (True, 11))
     """
