@@ -28,6 +28,14 @@ permutation exactly. When the `fit()` ends (with kpipe's `fit` wrapper: the Tens
 backend) the next passes take the loader's own order again; on other backends they keep
 the fit's until another Keras call sets one.
 
+A loader that is both `fit()`'s `x` and its `validation_data` keeps the fit's order for
+its validation passes too (one order per pass). Manual loops and `as_dataset()` choose
+nothing: they read the passes in the order they have. Until a read or a Keras call, a
+`shuffle=None` loader loads nothing ahead (`Position.order_due`): a permutation drawn
+when `fit()` begins would throw that away. For `ProcessLoader.from_samples` the order is
+a sample order: the plan keeps the batches in order and the key `(pass, batch, seed)`
+tells the workers how to shuffle the samples (`kpipe/_samples.py`).
+
 Shards (`num_shards > 1`) must agree on every pass's order: without a `seed` a fit-driven
 shuffle would differ per worker, so it stays in order there, with a warning.
 """
@@ -65,7 +73,10 @@ def for_keras(loader, keras_shuffle):
     position = reader.position
     own = position.own_shuffle
     call = _keras_call()
-    fit_x = call is not None and call[0] == "fit" and call[2].get("x") is loader and bool(call[2].get("shuffle")) == bool(keras_shuffle)
+    in_fit_x = call is not None and call[0] == "fit" and call[2].get("x") is loader
+    fit_x = in_fit_x and bool(call[2].get("shuffle")) == bool(keras_shuffle)
+    if in_fit_x and not fit_x:  # fit's validation on its own training loader: the passes keep fit's order
+        return
     if not fit_x:  # evaluate, predict, validation: never shuffled unless the loader says so
         follow(reader, bool(own), position.orders.at(position.head[0])[1])
         return

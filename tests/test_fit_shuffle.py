@@ -166,6 +166,16 @@ def test_evaluate_predict_validation_manual_loops_and_as_dataset_read_in_order(n
         assert [int(x[0, 0]) for x, _ in train.as_dataset()] == in_order
 
 
+def test_a_loader_validating_its_own_fit_keeps_the_fit_shuffle(no_leaks):
+    with kpipe.ProcessLoader(Ids(), workers=2) as loader:
+        model = _model()
+        del SEEN[:]
+        model.fit(loader, validation_data=loader, epochs=3, verbose=0)
+    passes = _epochs(list(SEEN))  # train, validate, train, validate, ...
+    assert all(sorted(p) == list(range(N)) for p in passes) and len(passes) == 6
+    assert len({tuple(p) for p in passes[0::2]}) == 3  # the training passes: three permutations
+
+
 def test_state_carries_the_fit_order_and_restores_into_an_unseeded_loader(no_leaks):
     with kpipe.ProcessLoader(Ids(), workers=1) as loader:
         epochs, _ = _fit(loader, epochs=2)
