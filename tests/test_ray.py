@@ -89,6 +89,20 @@ def _small_model():
     return m
 
 
+def test_fit_shuffle_through_actors_trains_as_loading_in_process(cluster):
+    # shuffle=None follows fit(shuffle=True): the same seeded permutations through actors
+    weights, shuffled = [], []
+    for workers in (0, kpipe.RayWorkers(2)):
+        model = _small_model()
+        with kpipe.ProcessLoader(Squares(n=6), workers=workers) as loader:
+            model.fit(loader, epochs=2, verbose=0)
+            shuffled.append(reader_of(loader).state_after((1, 0), 0)["shuffle"])
+        weights.append(model.get_weights())
+    assert shuffled == [True, True]
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def _fit(workers, *, steps=None, shuffle=False, epochs=3, callbacks=()):
     """Final weights and loads of `fit` on a 6-batch Squares loader with `workers`."""
     model = _small_model()
