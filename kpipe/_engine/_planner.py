@@ -86,5 +86,8 @@ class PassOrders:
         """Pass `pass_` and every later one take `(shuffle, seed)`. Returns whether any
         of them changed."""
         changed = any(first > pass_ for first, _, _ in self._runs) or self.at(pass_) != (bool(shuffle), seed)
-        self._runs = [run for run in self._runs if run[0] < pass_] + [(pass_, bool(shuffle), seed)]
+        runs = [run for run in self._runs if run[0] < pass_]
+        if not runs or runs[-1][1:] != (bool(shuffle), seed):  # (one run per order in a row: `at` stays short)
+            runs.append((pass_, bool(shuffle), seed))
+        self._runs = runs
         return changed
