@@ -12,7 +12,7 @@ import pytest
 
 import kpipe
 from kpipe import _compat
-from test_fit_shuffle import N, SEEN, Ids, _model
+from _shuffle_datasets import N, SEEN, Ids, recording_model
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 _RESTARTS = _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET)  # (see tests/test_passes.py)
@@ -30,7 +30,7 @@ def _both(**fit_kwargs):
     out = []
     for make in (contextlib.nullcontext, _loader):
         with make() as loader:
-            model = _model()
+            model = recording_model()
             del SEEN[:]
             history = model.fit(loader if loader is not None else Ids(), verbose=0, **fit_kwargs)
             out.append((list(SEEN), history.history))
@@ -59,7 +59,7 @@ def test_validation_freq_validates_the_same_epochs_and_batches(no_leaks):
         val = make()
         with val if isinstance(val, kpipe.ProcessLoader) else contextlib.nullcontext():
             with _loader() as train:
-                model = _model()
+                model = recording_model()
                 del SEEN[:]
                 history = model.fit(train, validation_data=val, validation_freq=2, validation_steps=3, epochs=4,
                                     verbose=0, shuffle=False).history
@@ -76,7 +76,7 @@ def test_arguments_keras_refuses_for_a_pydataset_are_refused_alike(kwargs, no_le
     errors = []
     for make in (contextlib.nullcontext, _loader):
         with make() as loader, pytest.raises(ValueError) as error:
-            _model().fit(loader if loader is not None else Ids(), verbose=0, **kwargs)
+            recording_model().fit(loader if loader is not None else Ids(), verbose=0, **kwargs)
         errors.append(re.sub(r"<class '[^']*'>", "<class>", str(error.value)))
     assert errors[0] == errors[1]
 
@@ -102,7 +102,7 @@ def test_callbacks_see_the_same_batch_indices_and_logs(no_leaks):
     for make in (contextlib.nullcontext, _loader):
         with make() as loader:
             cb = _Logs()
-            _model().fit(loader if loader is not None else Ids(), epochs=2, verbose=0, callbacks=[cb], shuffle=False,
+            recording_model().fit(loader if loader is not None else Ids(), epochs=2, verbose=0, callbacks=[cb], shuffle=False,
                          validation_data=Ids(2))
             calls.append(cb)
     assert calls[0].calls == calls[1].calls and len(calls[0].calls) == 2 * (N + 1)
@@ -117,7 +117,7 @@ def test_verbose_prints_the_same_progress(verbose, no_leaks):
         with make() as loader:
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
-                _model().fit(loader if loader is not None else Ids(), epochs=2, verbose=verbose, shuffle=False)
+                recording_model().fit(loader if loader is not None else Ids(), epochs=2, verbose=verbose, shuffle=False)
             # timings and the progress bar's redraws differ; the epochs, steps per epoch and
             # each epoch's last step do not
             text = out.getvalue()

@@ -1,10 +1,9 @@
 """`ProcessLoader(shuffle=None)` follows `fit(shuffle=...)` as plain Keras shuffles a
 `PyDataset` (issue 43): batch orders against plain Keras on the TensorFlow and JAX
-backends, seeds in fresh processes, exact resume, shards, `from_samples`, and the
-`fit()` arguments of the README's audit table."""
+backends, seeds in fresh processes, exact resume, shards, `from_samples`,
+`fit_generator` (the other `fit()` arguments: tests/test_fit_audit.py)."""
 
 import importlib.util
-import io
 import os
 import subprocess
 import sys
@@ -22,63 +21,18 @@ PROGRAMS = os.path.join(ROOT, "tests", "programs")
 sys.path.insert(0, PROGRAMS)
 import _outputs  # noqa: E402 (tests/programs)
 import shuffle_orders  # noqa: E402
+from _shuffle_datasets import N, SEEN, Ids, Points, split_epochs, recording_model  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
-N = 8
-SEEN = []
-
-
-class Ids(keras.utils.PyDataset):
-    """Batch `i`: x filled with `i` (the id the model's first layer records)."""
-
-    def __init__(self, n=N, **kwargs):
-        super().__init__(**kwargs)
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return np.full((2, 1), i, "float32"), np.full((2, 1), i % 2, "float32")
-
-
-class Points:
-    """A per-sample dataset (for `from_samples`): sample `j` is `j`."""
-
-    def __len__(self):
-        return 12
-
-    def __getitem__(self, j):
-        return np.float32([j]), np.float32([0])
-
-
-class Record(keras.layers.Layer):
-    def call(self, x):
-        try:
-            SEEN.append(int(keras.ops.convert_to_numpy(x)[0, 0]))
-        except Exception:  # noqa: BLE001 -- the symbolic build: no batch
-            pass
-        return x
-
-
-def _model(seed=0):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((1,)), Record(), keras.layers.Dense(1)])
-    model.compile(keras.optimizers.SGD(0.1), "mse", run_eagerly=True)
-    return model
-
-
-def _epochs(ids, n=N):
-    return [ids[i:i + n] for i in range(0, len(ids), n)]
 
 
 def _fit(data, seed=0, n=N, **kwargs):
     """The batch ids `fit(data, **kwargs)` trained on, one list per epoch of `n`; and the model."""
-    model = _model(seed)
+    model = recording_model(seed)
     del SEEN[:]
     kwargs.setdefault("epochs", 3)
     model.fit(data, verbose=0, **kwargs)
-    return _epochs(list(SEEN), n), model
+    return split_epochs(list(SEEN), n), model
 
 
 def _shuffled_like_plain_keras(record):
@@ -153,7 +107,7 @@ def test_explicit_shuffle_wins_and_a_contradicting_fit_warns_once(no_leaks):
 def test_evaluate_predict_validation_manual_loops_and_as_dataset_read_in_order(no_leaks):
     in_order = list(range(N))
     with kpipe.ProcessLoader(Ids(), workers=2) as train, kpipe.ProcessLoader(Ids(), workers=1) as val:
-        model = _model()
+        model = recording_model()
         del SEEN[:]
         model.fit(train, validation_data=val, epochs=2, verbose=0)
         ids = list(SEEN)  # epoch: 8 training batches, then 8 validation batches
@@ -168,10 +122,10 @@ def test_evaluate_predict_validation_manual_loops_and_as_dataset_read_in_order(n
 
 def test_a_loader_validating_its_own_fit_keeps_the_fit_shuffle(no_leaks):
     with kpipe.ProcessLoader(Ids(), workers=2) as loader:
-        model = _model()
+        model = recording_model()
         del SEEN[:]
         model.fit(loader, validation_data=loader, epochs=3, verbose=0)
-    passes = _epochs(list(SEEN))  # train, validate, train, validate, ...
+    passes = split_epochs(list(SEEN))  # train, validate, train, validate, ...
     assert all(sorted(p) == list(range(N)) for p in passes) and len(passes) == 6
     assert len({tuple(p) for p in passes[0::2]}) == 3  # the training passes: three permutations
 
@@ -205,14 +159,14 @@ class _Crash(keras.callbacks.Callback):
 def test_backup_resumes_mid_epoch_exactly_under_the_fit_shuffle(tmp_path, no_leaks):
     def run(backup_dir, crash=None, seed=0):
         with kpipe.ProcessLoader(Ids(), workers=2) as loader:
-            model = _model(seed)
+            model = recording_model(seed)
             callbacks = [BackupAndRestore(str(backup_dir), save_freq=3, loaders=loader)] + ([crash] if crash else [])
             del SEEN[:]
             model.fit(loader, epochs=3, verbose=0, callbacks=callbacks)
             return list(SEEN), model.get_weights()
 
     whole, weights = run(tmp_path / "whole")
-    assert all(sorted(e) == list(range(N)) for e in _epochs(whole)) and len({tuple(e) for e in _epochs(whole)}) == 3
+    assert all(sorted(e) == list(range(N)) for e in split_epochs(whole)) and len({tuple(e) for e in split_epochs(whole)}) == 3
     with pytest.raises(RuntimeError, match="simulated crash"):
         run(tmp_path / "cut", _Crash(11))  # in the second epoch, after the backup at step 9
     resumed, resumed_weights = run(tmp_path / "cut", seed=123)  # another Keras seed: the backup decides
@@ -250,3 +204,18 @@ def test_workers_auto_shuffles_each_pass(no_leaks):
     with kpipe.ProcessLoader(Ids(), workers="auto") as loader:
         epochs, _ = _fit(loader)
     assert all(sorted(e) == list(range(N)) for e in epochs) and len({tuple(e) for e in epochs}) == 3
+
+
+def test_fit_generator_shuffle_keeps_its_meaning_without_a_warning(no_leaks):
+    orders = {}
+    for shuffle in (True, False):
+        model = recording_model()
+        del SEEN[:]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kpipe.fit_generator(model, Ids(), epochs=2, verbose=0, shuffle=shuffle, seed=3, workers=1,
+                                use_multiprocessing=True)
+        assert not [w for w in caught if "ProcessLoader" in str(w.message)]
+        orders[shuffle] = split_epochs(list(SEEN))
+    assert orders[False] == [list(range(N))] * 2
+    assert all(sorted(e) == list(range(N)) for e in orders[True]) and len({tuple(e) for e in orders[True]}) == 2
