@@ -29,12 +29,14 @@ _CALLS = contextvars.ContextVar("kpipe_fit_calls", default=())
 
 class FitCall:
     """One running `fit()`: its model, its bound arguments (name -> value, defaults
-    included) and the clean-ups registered for its end."""
+    included), the names the caller passed (None: not known) and the clean-ups
+    registered for its end."""
 
-    __slots__ = ("model", "arguments", "registered", "_exits")
+    __slots__ = ("model", "arguments", "registered", "passed", "_exits")
 
-    def __init__(self, model, arguments: Dict, registered: bool = True):
+    def __init__(self, model, arguments: Dict, registered: bool = True, passed=None):
         self.model, self.arguments, self.registered = model, dict(arguments), registered
+        self.passed = None if passed is None else frozenset(passed)
         self._exits: List[Callable[[], None]] = []
 
     def _run_exits(self):
@@ -47,10 +49,11 @@ class FitCall:
 
 
 @contextlib.contextmanager
-def running(model, arguments: Dict):
-    """Marks a `fit()` of `model` with `arguments` as running while the block runs; runs
-    its clean-ups (newest first) when the block ends, however it ends."""
-    call = FitCall(model, arguments)
+def running(model, arguments: Dict, passed=None):
+    """Marks a `fit()` of `model` with `arguments` (of which the caller passed the names
+    `passed`) as running while the block runs; runs its clean-ups (newest first) when the
+    block ends, however it ends."""
+    call = FitCall(model, arguments, passed=passed)
     token = _CALLS.set(_CALLS.get() + (call,))
     try:
         yield call

@@ -6,7 +6,9 @@ for a `ProcessLoader`:
 
 * builds the adapter with `shuffle=False`: the loader orders its own batches (seeded
   shuffle, in-order prefetch), and Keras's `fit(shuffle=True)` default would otherwise
-  request batches in a random order of its own and defeat prefetching;
+  request batches in a random order of its own and defeat prefetching; instead it tells
+  the loader what Keras asked for, and a loader with `shuffle=None` draws that order
+  itself (the NOTE in `kpipe/_order.py`);
 * reads the loader through *streams*, never by Keras's epoch ends: each iterator Keras
   makes reads the rest of the loader's current pass, Keras's `on_epoch_begin`/
   `on_epoch_end` are not forwarded (they fall mid-pass when `steps_per_epoch < len`),
@@ -45,7 +47,7 @@ import functools
 import inspect
 import weakref
 
-from kpipe import _fit_scope, _stream
+from kpipe import _fit_scope, _order, _stream
 from kpipe.errors import LoaderClosedError
 
 # {id(loader): (runs, steps, each_a_call)} for the loaders of the Keras call running in this context
@@ -179,8 +181,9 @@ def _planned(name, original):
             bound = signature.bind(self, *args, **kwargs)
         except TypeError:  # Keras raises its own error
             return original(self, *args, **kwargs)
+        passed = set(bound.arguments)
         bound.apply_defaults()
-        scope = _fit_scope.running(self, bound.arguments) if name == "fit" else contextlib.nullcontext()
+        scope = _fit_scope.running(self, bound.arguments, passed) if name == "fit" else contextlib.nullcontext()
         with scope:  # callbacks' clean-ups run however fit() ends (kpipe/_fit_scope.py)
             plans = _call_plans(name, self, bound.arguments)
             if not plans:
@@ -245,6 +248,7 @@ def _make_adapter(base):
             super().__init__(x, class_weight=class_weight, shuffle=False if orders else shuffle)
             self._kpipe_loader = None
             if orders:
+                _order.for_keras(x, shuffle)  # the loader draws the order fit(shuffle=) asks for
                 self._kpipe_loader = weakref.ref(x)
                 self.py_dataset = weakref.proxy(x)  # see NOTE: the graph must not own it
                 self._kpipe_consumer = KerasConsumer(_plan_for(x))

@@ -69,7 +69,7 @@ class Reader:
 
     def __init__(self, dataset, *, name, num_batches, workers, worker_threads, max_queue_size, max_queue_bytes,
                  shuffle, seed, num_shards, shard_index, start_method, use_threads, timeout, epoch_end_ahead,
-                 autoscale=None, keyed_by_pass=False, remote=None):
+                 autoscale=None, keyed_by_pass=False, remote=None, seed_given=True):
         self.lock = threading.RLock()
         self.dataset = dataset
         self.name = name
@@ -84,7 +84,7 @@ class Reader:
         self.stateful = _dataset_api.has_hooks(dataset)
         self._has_begin = _dataset_api.overrides(dataset, "on_epoch_begin")
         self.position = Position(num_batches, shuffle=shuffle, seed=seed, num_shards=num_shards, shard_index=shard_index,
-                                 keyed_by_pass=keyed_by_pass)
+                                 keyed_by_pass=keyed_by_pass, seed_given=seed_given)
         self.stats = {
             "batches": 0, "samples": 0, "bytes": 0, "last_batch_bytes": 0, "wait_s": 0.0,
             "pass_start_wait_s": 0.0, "first_batch_s": None, "restarts": 0, "loads": 0, "discards": 0, "passes": 0,
@@ -243,15 +243,15 @@ class Reader:
             self._hooks_due = True
         self.fill_after_read()
 
-    def jump(self, pass_, position, num_batches):
-        """Moves to `position` of pass `pass_` (set_epoch, restore), dropping work in flight."""
+    def jump(self, pass_, position, num_batches, order=None):
+        """Moves to `position` of pass `pass_` (set_epoch, restore; `order`: see Position.jump), dropping work in flight."""
         self._completed_before = None  # the next pass start is a (re)start, not a pass end
         self.cancel_ahead()
         self.ahead.tried = None
         self._read_limit = None
         self._hooks_due = self.stateful and position == 0
         self.window.drop_all()
-        self.position.jump(pass_, position, num_batches)
+        self.position.jump(pass_, position, num_batches, order)
         self.window.fill()
 
     # ------------------------------------------------------------------ epoch hooks

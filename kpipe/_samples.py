@@ -26,8 +26,11 @@ Built so, each sample is read once per pass (every sample exactly once; the `n %
 over form a smaller last batch, or are left out with `drop_remainder`, and rotate with
 the shuffle), deterministically, and `state()`/`restore()`, sharding
 (`num_shards` splits a pass's batches) and epoch hooks work as for any dataset: this is a
-dataset of batches to the loader. The loader hands workers the key `(pass, batch)` (not
-only the batch index), so no state needs to travel at a pass end to reshuffle. Samples of
+dataset of batches to the loader. The loader hands workers the key `(pass, batch, seed)`
+(not only the batch index; `seed` None for a pass in order), so no state needs to travel
+at a pass end to reshuffle, and the order `fit(shuffle=...)` chooses for a pass (the NOTE
+in `kpipe/_order.py`) is a sample order: the loader keeps the batches of a keyed dataset
+in order and shuffles the samples instead. Samples of
 one batch must agree in structure, dtype and shape (a named error otherwise).
 """
 
@@ -77,20 +80,27 @@ class SampleBatches:
         n = self.num_samples()
         return n // self.batch_size if self.drop_remainder else -(-n // self.batch_size)
 
-    def order(self, pass_):
-        """The sample order of pass `pass_` (cached for the pass being read)."""
-        if self._order[0] != pass_:
+    def order(self, pass_, seed=False):
+        """The sample order of pass `pass_` (cached for the pass being read): shuffled by
+        `seed` (None: in order; default: this object's own `shuffle` and `seed`)."""
+        if seed is False:
+            seed = self.seed if self.shuffle else None
+        if self._order[0] != (pass_, seed):
             n = self.num_samples()
-            order = np.random.default_rng([self.seed, pass_]).permutation(n) if self.shuffle else np.arange(n)
-            self._order = (pass_, order)
+            order = np.random.default_rng([seed, pass_]).permutation(n) if seed is not None else np.arange(n)
+            self._order = ((pass_, seed), order)
         return self._order[1]
 
     def samples(self, key):
-        """The sample indices of batch `key`: `(pass, batch)`, or a batch of pass 0."""
-        pass_, b = key if isinstance(key, tuple) else (0, key)
+        """The sample indices of batch `key`: `(pass, batch, seed)` as the loader gives it
+        (its order of that pass: `seed` None is in order), `(pass, batch)` or a batch of
+        pass 0 (this object's own order)."""
+        if not isinstance(key, tuple):
+            key = (0, key)
+        pass_, b, seed = key if len(key) == 3 else (*key, False)
         if not 0 <= b < len(self):
             raise IndexError(f"batch {b} is out of range for {len(self)} batches of {self.batch_size} samples")
-        return self.order(pass_)[b * self.batch_size:(b + 1) * self.batch_size]
+        return self.order(pass_, seed)[b * self.batch_size:(b + 1) * self.batch_size]
 
     def __getitem__(self, key):
         samples = self.samples(key).tolist()

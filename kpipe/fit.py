@@ -146,7 +146,9 @@ def fit_generator(
             validation_steps=validation_steps,
             validation_freq=validation_freq,
             class_weight=class_weight,
-            shuffle=False,
+            # the loader orders its batches (as `shuffle` said); Keras must not reorder a
+            # `_Passes` (a plain PyDataset), and the same value for a loader warns of nothing
+            shuffle=bool(shuffle) if isinstance(train, ProcessLoader) else False,
             initial_epoch=initial_epoch,
         )
     finally:

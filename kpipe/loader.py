@@ -23,8 +23,8 @@ class ProcessLoader(keras.utils.PyDataset):
     after every array of its batch was garbage collected.
 
     The loader is itself a `keras.utils.PyDataset`, so `fit`, `evaluate`, `predict` and
-    `validation_data` take it unchanged. It orders its own batches (see `shuffle`):
-    Keras's `fit(shuffle=...)` does not reorder a `ProcessLoader`.
+    `validation_data` take it unchanged. It draws its own batch order (see `shuffle`), by
+    default the one plain Keras would: shuffled in a `fit(shuffle=True)`, in order elsewhere.
 
     Passes, not Keras epochs: the loader serves a sequence of *passes*, each every batch
     once in that pass's order, and whatever `steps_per_epoch`, `epochs` or `workers`,
@@ -116,13 +116,16 @@ class ProcessLoader(keras.utils.PyDataset):
             when the last batch times the queue length would exceed it (at least one
             batch per worker stays in flight). Defaults to None (batches only).
         shuffle: Permute the batch order every pass, from `(seed, pass)` only: the
-            same seed gives the same batches whatever `workers` is. Defaults to False.
+            same seed gives the same batches whatever `workers` is. None does as plain Keras:
+            shuffled in a `fit(shuffle=True)` (fit's default) reading it as `x`, in order
+            elsewhere; True/False win (rules: the NOTE in `kpipe/_order.py`). Defaults to None.
         seed: Seed of the shuffle and of the workers' `random`/`numpy.random`:
             worker processes reseed both before each batch from `(seed, pass,
             position)`, so random augmentation gives the same batch whatever `workers`
             is, also after `restore()` with another worker count (threads and
             `workers=0` share this process's generators and are not reseeded; see
-            `kpipe.worker_info()`). Defaults to None (random).
+            `kpipe.worker_info()`). None: each `fit()` draws one from Python's `random`
+            (`keras.utils.set_random_seed` fixes it), a random one elsewhere. Defaults to None.
         start_method: How workers start. `"forkserver"`: kpipe starts one fresh
             interpreter (no TensorFlow, no re-import of `__main__`) that unpickles the
             dataset once and forks every worker from it in milliseconds, sharing its
@@ -197,7 +200,7 @@ class ProcessLoader(keras.utils.PyDataset):
         worker_threads=None,
         max_queue_size=None,
         max_queue_bytes=None,
-        shuffle=False,
+        shuffle=None,
         seed=None,
         start_method=None,
         use_threads=False,
@@ -223,7 +226,7 @@ class ProcessLoader(keras.utils.PyDataset):
         _args.check_dataset(dataset)
         self.dataset = dataset
         self.worker_threads = _args.check_worker_threads(_threads.check(worker_threads), workers, use_threads)
-        self.shuffle = bool(shuffle)
+        self.shuffle = None if shuffle is None else bool(shuffle)  # None: follows fit(shuffle=...)
         self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else _args.check_int("seed", seed, 0, "")
         self.use_threads = bool(use_threads)
         keyed = isinstance(dataset, _samples.SampleBatches)  # from_samples: keys `(pass, batch)`
@@ -244,11 +247,11 @@ class ProcessLoader(keras.utils.PyDataset):
             max_queue_size=max_queue_size, max_queue_bytes=max_queue_bytes, shuffle=self.shuffle, seed=self.seed,
             num_shards=num_shards, shard_index=shard_index, start_method=self.start_method, use_threads=self.use_threads,
             timeout=timeout, epoch_end_ahead=epoch_end_ahead, autoscale=autoscale, keyed_by_pass=keyed, remote=remote,
-        )
+            seed_given=seed is not None)
         _stream.register(self, self._reader)
 
     @classmethod
-    def from_samples(cls, dataset, batch_size, *, shuffle=False, seed=None, drop_remainder=False, **kwargs):
+    def from_samples(cls, dataset, batch_size, *, shuffle=None, seed=None, drop_remainder=False, **kwargs):
         """A loader of batches of `batch_size` samples of a per-sample `dataset`, each
         sample written by the worker straight into the batch's shared memory.
 
@@ -262,9 +265,9 @@ class ProcessLoader(keras.utils.PyDataset):
             dataset: `__getitem__(j)` and `__len__()` (samples). Its own
                 `on_epoch_end`/`on_epoch_begin`, if any, run as the loader's rule says.
             batch_size: Samples per batch.
-            shuffle: A new sample order every pass. Defaults to False.
-            seed: Seed of the sample order and of the workers' random generators.
-                Defaults to None (random).
+            shuffle: A new sample order every pass (None: as `ProcessLoader`'s; the order
+                `fit(shuffle=True)` asks for is a sample order). Defaults to None.
+            seed: As `ProcessLoader`'s, also of the sample order. Defaults to None.
             drop_remainder: Leave out the last `len(dataset) % batch_size` samples of
                 each pass instead of a smaller last batch. Defaults to False.
             **kwargs: Any other `ProcessLoader` argument (`workers`, `num_shards`...).
@@ -287,9 +290,9 @@ class ProcessLoader(keras.utils.PyDataset):
         >>> x.shape, y.tolist()
         ((2, 3), [0, 1])
         """
-        batches = _samples.for_loader(dataset, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+        batches = _samples.for_loader(dataset, batch_size, shuffle=bool(shuffle), seed=seed, drop_remainder=drop_remainder,
                                       has_hooks=_dataset_api.has_hooks(dataset))
-        return cls(batches, seed=batches.seed, **kwargs)
+        return cls(batches, shuffle=shuffle, seed=seed, **kwargs)
 
     @property
     def num_workers(self):
@@ -393,18 +396,18 @@ class ProcessLoader(keras.utils.PyDataset):
         """Continues from `state` (from `state()`, possibly of another process).
 
         Work in flight is dropped; the next read starts at the saved position of the
-        saved pass, with that pass's shuffle plan, whatever `workers` was before or is
-        now. A dataset with its own epoch state (e.g. an index reshuffled in
-        `on_epoch_end`) must restore that state itself.
+        saved pass, with that pass's order (`shuffle`, `seed`; the next passes' too),
+        whatever `workers` was before or is now. A dataset with its own epoch state (e.g.
+        an index reshuffled in `on_epoch_end`) must restore that state itself.
 
         Raises:
-            ValueError: if the state was saved for another dataset length, seed,
-                shuffle setting or sharding, or is malformed.
+            ValueError: a state of another dataset length, sharding, `seed` or
+                `shuffle` (when given to this loader), or a malformed one.
         """
         reader = self._reader
-        pass_, position, num_batches = reader.position.check_state(state, same_length=not reader.stateful, name=self._name)
+        pass_, position, num_batches, order = reader.position.check_state(state, same_length=not reader.stateful, name=self._name)
         with reader.lock:
-            reader.jump(pass_, position, num_batches)
+            reader.jump(pass_, position, num_batches, order)
 
     def stats(self):
         """Counters since construction: `batches` (handed out), `samples`, `bytes`,

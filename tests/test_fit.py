@@ -48,7 +48,7 @@ def test_fit_class_weight_validation_callback_equal_serial(no_leaks):
     )
     ds = RegressionPyDataset(classes=True)
     with kpipe.ProcessLoader(ds, workers=2) as train, kpipe.ProcessLoader(RegressionPyDataset(classes=True, n=2), workers=1) as val:
-        hist, model = _fit(_classifier, train, val, class_weight={0: 3.0, 1: 1.0})
+        hist, model = _fit(_classifier, train, val, class_weight={0: 3.0, 1: 1.0}, shuffle=False)
         # Keras calls on_epoch_end after each epoch (and from 3.7 once before the first); a
         # ProcessLoader's dataset gets the same calls when every epoch is a whole pass.
         assert serial_ds.epochs_ended >= 3 and ds.epochs_ended == serial_ds.epochs_ended
@@ -63,7 +63,7 @@ def test_fit_class_weight_validation_callback_equal_serial(no_leaks):
 def test_fit_sample_weights_equal_serial(no_leaks):
     serial_hist, _ = _fit(_regressor, RegressionPyDataset(weights=True), None, shuffle=False)
     with kpipe.ProcessLoader(RegressionPyDataset(weights=True), workers=2, use_threads=False) as train:
-        hist, _ = _fit(_regressor, train, None)
+        hist, _ = _fit(_regressor, train, None, shuffle=False)
     np.testing.assert_allclose(hist["loss"], serial_hist["loss"], rtol=1e-6)
 
 

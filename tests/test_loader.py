@@ -315,7 +315,8 @@ def test_multi_worker_tf_config_shards_by_default(monkeypatch):
 
 def test_max_queue_bytes_limits_batches_in_flight(no_leaks):
     ds = Squares(n=30, batch=256)  # 2 KiB per batch (two float32 leaves of 256)
-    with kpipe.ProcessLoader(ds, workers=2, max_queue_size=10, max_queue_bytes=2048 * 3) as loader:
+    # (shuffle=False: the order is known at once, so the window fills as the loader is built)
+    with kpipe.ProcessLoader(ds, workers=2, max_queue_size=10, max_queue_bytes=2048 * 3, shuffle=False) as loader:
         assert len(reader_of(loader).window.queue) == 2  # one per worker until a batch size is known
         loader[0]
         assert loader.stats()["queue_depth"] == 3  # 6 KiB / 2 KiB per batch
@@ -330,7 +331,7 @@ def test_max_queue_bytes_limits_batches_in_flight(no_leaks):
 def test_queue_deepens_only_when_a_worker_idles_behind_a_slow_batch(kw, no_leaks):
     from _datasets import Stalls
 
-    with kpipe.ProcessLoader(Squares(n=12), max_queue_size=9, **kw) as loader:
+    with kpipe.ProcessLoader(Squares(n=12), max_queue_size=9, shuffle=False, **kw) as loader:  # (fills at once)
         assert loader.stats()["queue_depth"] == 4  # two per worker
         # threads need no slots; processes start one batch per worker, each in a new slot,
         # and take a second slot only once one of them idles (test_slots_are_...)

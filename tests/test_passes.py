@@ -184,7 +184,7 @@ def test_validation_and_evaluate_consume_what_plain_keras_does(val_steps, tmp_pa
     log = tmp_path / "loads"
     with kpipe.ProcessLoader(BatchIds(8), workers=2) as train, kpipe.ProcessLoader(BatchIds(n, log=str(log)), workers=2) as val:
         SEEN.clear()
-        new_model().fit(train, validation_data=val, validation_steps=val_steps, epochs=3, verbose=0)
+        new_model().fit(train, validation_data=val, validation_steps=val_steps, epochs=3, verbose=0, shuffle=False)
         ids = list(SEEN)
         assert ids == keras_ids
         # Each validation run loads what it takes, nothing past `validation_steps` (from

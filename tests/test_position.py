@@ -205,3 +205,30 @@ def test_a_loader_keeps_one_run_of_lengths_however_many_passes_it_reads():
             loader.on_epoch_end()
         lengths = reader_of(loader).position.lengths
         assert lengths.count() >= 300 and lengths.runs() == [(0, lengths.count() - 1, len(loader))]
+
+
+# -- the order each pass takes (kpipe/_order.py decides; Position keeps it) ----------------
+def test_an_order_applies_from_the_first_pass_no_stream_began_and_state_carries_it():
+    position = Position(6, shuffle=None, seed=1, seed_given=False)
+    assert position.order_due and position.read_ahead_limit() < position.head[0]  # nothing loads yet
+    assert position.follow(True, 42) == 0 and not position.order_due
+    plan = [position.index((0, i)) for i in range(6)]
+    assert sorted(plan) == list(range(6)) and plan != list(range(6))
+    assert position.follow(True, 42) is None  # the same order: nothing to drop
+    state = position.state_at((0, 2))
+    assert (state["shuffle"], state["seed"]) == (True, 42)
+    position.jump(0, 3)  # a restore inside pass 0: a new order starts at pass 1
+    assert position.follow(False, 1) == 1 and position.index((0, 3)) == plan[3] and position.index((1, 3)) == 3
+    fresh = Position(6, shuffle=None, seed=9, seed_given=False)  # no seed of its own: takes the state's
+    fresh.load_state_dict(state, same_length=True, name="Data")
+    assert [fresh.index((0, i)) for i in range(2, 6)] == plan[2:] and fresh.seed_of((0, 2)) == position.seed_of((0, 2))
+    for own in (dict(seed=9, seed_given=True), dict(shuffle=False, seed=42)):
+        with pytest.raises(ValueError, match="Restore it into a loader built with the same"):
+            Position(6, **{"shuffle": None, **own}).check_state(state, same_length=True, name="Data")
+
+
+def test_a_keyed_dataset_keeps_its_batches_in_order_and_gets_the_pass_seed():
+    position = Position(3, shuffle=None, seed=5, keyed_by_pass=True, seed_given=False)
+    assert [position.index((0, i)) for i in range(3)] == [(0, 0, None), (0, 1, None), (0, 2, None)]
+    position.follow(True, 8)
+    assert [position.index((2, i)) for i in range(3)] == [(2, 0, 8), (2, 1, 8), (2, 2, 8)]

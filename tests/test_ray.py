@@ -74,7 +74,7 @@ def test_fit_takes_the_batches_plain_keras_takes(cluster):
     want.fit(Plain(), epochs=2, shuffle=False, verbose=0)
     got = model()
     with kpipe.ProcessLoader(Squares(n=6), workers=kpipe.RayWorkers(2)) as loader:
-        got.fit(loader, epochs=2, verbose=0)
+        got.fit(loader, epochs=2, verbose=0, shuffle=False)  # (the loader follows fit's shuffle)
         assert loader.stats()["loads"] == 12  # each batch once per epoch
     for a, b in zip(got.get_weights(), want.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -87,6 +87,20 @@ def _small_model():
     m = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
     m.compile(keras.optimizers.SGD(1e-4), "mse")
     return m
+
+
+def test_fit_shuffle_through_actors_trains_as_loading_in_process(cluster):
+    # shuffle=None follows fit(shuffle=True): the same seeded permutations through actors
+    weights, shuffled = [], []
+    for workers in (0, kpipe.RayWorkers(2)):
+        model = _small_model()
+        with kpipe.ProcessLoader(Squares(n=6), workers=workers) as loader:
+            model.fit(loader, epochs=2, verbose=0)
+            shuffled.append(reader_of(loader).state_after((1, 0), 0)["shuffle"])
+        weights.append(model.get_weights())
+    assert shuffled == [True, True]
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def _fit(workers, *, steps=None, shuffle=False, epochs=3, callbacks=()):

@@ -70,7 +70,7 @@ import bisect
 from kpipe._args import check_int
 from kpipe._engine import _tree
 from kpipe._engine import worker_info as _wi
-from kpipe._engine._planner import EpochPlanner
+from kpipe._engine._planner import EpochPlanner, PassOrders
 
 STATE_FORMAT = 1
 
@@ -180,13 +180,23 @@ class Position:
 
     Args:
         num_batches: The dataset's `len()` (None: infinite).
-        shuffle, seed, num_shards, shard_index: The loader's (checked by it).
-        keyed_by_pass: Hand out dataset indices as `(pass, index)`.
+        shuffle, seed, num_shards, shard_index: The loader's (checked by it); `shuffle`
+            None: in order until a consumer asks for an order (`follow`).
+        keyed_by_pass: Hand out dataset indices as `(pass, index, seed)`.
+        seed_given: The loader's `seed` was given: a state of another seed is refused
+            (otherwise the state's seed is taken).
     """
 
-    def __init__(self, num_batches, *, shuffle=False, seed=0, num_shards=1, shard_index=0, keyed_by_pass=False):
-        self.planner = EpochPlanner(num_batches, shuffle=shuffle, seed=seed, num_shards=num_shards, shard_index=shard_index)
-        self.keyed_by_pass = keyed_by_pass  # index() gives `(pass, index)`: see `index`
+    def __init__(self, num_batches, *, shuffle=False, seed=0, num_shards=1, shard_index=0, keyed_by_pass=False,
+                 seed_given=True):
+        self.planner = EpochPlanner(num_batches, shuffle=bool(shuffle), seed=seed, num_shards=num_shards, shard_index=shard_index)
+        self.own_shuffle = shuffle  # the loader's own setting: None, True or False
+        self.seed_given = seed_given
+        self.orders = PassOrders(bool(shuffle), seed)  # each pass's (shuffle, seed): see `follow`
+        # shuffle=None: nothing loads ahead until a consumer says which order (`follow`)
+        # or reads -- what loaded before fit() chose a permutation would be thrown away
+        self.order_due = shuffle is None
+        self.keyed_by_pass = keyed_by_pass  # index() gives `(pass, index, seed)`: see `index`
         self.head = (0, 0)
         self.lengths = PassLengths(num_batches)  # the dataset's own len(), per pass, recorded once
         self._probe_depth = 0
@@ -202,7 +212,8 @@ class Position:
 
     @property
     def shuffle(self):
-        return self.planner.shuffle
+        """Whether the head's pass is shuffled."""
+        return self.orders.at(self.head[0])[0]
 
     @property
     def num_shards(self):
@@ -248,10 +259,14 @@ class Position:
 
     # ------------------------------------------------------------------ the plan
     def index(self, key):
-        """The dataset index of the batch at `key` -- as `(pass, index)` for a dataset that
-        orders its own batches per pass (`keyed_by_pass`: `ProcessLoader.from_samples`)."""
-        index = self.planner.index(key[0], key[1], self.dataset_length(key[0]))
-        return (key[0], index) if self.keyed_by_pass else index
+        """The dataset index of the batch at `key` -- as `(pass, index, seed)` for a dataset
+        that orders its own samples per pass (`keyed_by_pass`: `ProcessLoader.from_samples`;
+        `seed` None: in order), whose batches the plan keeps in order."""
+        shuffle, seed = self.orders.at(key[0])
+        if self.keyed_by_pass:
+            index = self.planner.index(key[0], key[1], self.dataset_length(key[0]), (False, seed))
+            return (key[0], index, seed if shuffle else None)
+        return self.planner.index(key[0], key[1], self.dataset_length(key[0]), (shuffle, seed))
 
     def as_handed_out(self, key, batch):
         """The batch loaded for `key` as consumers get it: without rows at a pad (a step
@@ -260,7 +275,15 @@ class Position:
 
     def seed_of(self, key):
         """The seed workers reseed `random`/`numpy.random` with before loading `key`."""
-        return _wi.batch_seed(self.planner.seed, key[0], key[1])
+        return _wi.batch_seed(self.orders.at(key[0])[1], key[0], key[1])
+
+    def follow(self, shuffle, seed):
+        """The passes from the first one no stream has begun on (the head's, unless a
+        restore put the head inside it) take `(shuffle, seed)`. Returns that first pass if
+        their order changed (what was loaded for them is stale), else None."""
+        self.order_due = False
+        first = self.head[0] if self.head[1] == 0 else self.head[0] + 1
+        return first if self.orders.set_from(first, shuffle, seed) else None
 
     def successor(self, key, *, cross_passes):
         """The key after `key` in the sequence, or None where the plan is not known yet."""
@@ -291,7 +314,10 @@ class Position:
 
     def read_ahead_limit(self):
         """The last pass worth loading now: the head's, and the next one only once the
-        head's pass is being read (tiny passes must not fill the queue two passes ahead)."""
+        head's pass is being read (tiny passes must not fill the queue two passes ahead);
+        none while the order is due (`order_due`)."""
+        if self.order_due:
+            return self.head[0] - 1
         return self.head[0] + 1 if self._handed_in_pass else self.head[0]
 
     # ------------------------------------------------------------------ streams
@@ -308,6 +334,7 @@ class Position:
         """A stream that hands out the rest of the head's pass (one Keras iterator);
         `confirm`: see `Stream`."""
         stream = Stream(self.head, probe=self.probing, hooks=hooks, confirm=confirm)
+        self.order_due = self.order_due and stream.probe  # a reader: the order is the one it finds
         if stream.probe:
             self._probe_streams.append(stream)
         else:
@@ -360,6 +387,7 @@ class Position:
         key = (self.head[0], index)
         if self.probing:
             return key, False
+        self.order_due = False
         sequential = index == self._direct_expect
         self._direct_expect = index + 1
         return key, sequential
@@ -401,10 +429,14 @@ class Position:
         by hand then ends it early."""
         return self._handed_in_pass or self.head[1] > 0
 
-    def jump(self, pass_, position=0, num_batches=None):
+    def jump(self, pass_, position=0, num_batches=None, order=None):
         """Moves `head` (set_epoch, restore) to `position` of pass `pass_`, whose dataset
-        length is `num_batches` (default: the newest known)."""
+        length is `num_batches` (default: the newest known) and whose order, and the later
+        passes', is `order` (`(shuffle, seed)`; default: as it was)."""
         self.record_length(pass_, self.dataset_length() if num_batches is None else num_batches)
+        if order is not None:
+            self.orders.set_from(pass_, *order)
+            self.order_due = False
         self.head = (pass_, position)
         self._handed_in_pass = False
         self._direct_expect = self._direct_done = position
@@ -444,8 +476,8 @@ class Position:
             "pass": int(key[0]),
             "position": int(key[1]),
             "num_batches": self.dataset_length(key[0]),
-            "seed": self.planner.seed,
-            "shuffle": self.planner.shuffle,
+            "seed": self.orders.at(key[0])[1],
+            "shuffle": self.orders.at(key[0])[0],
             "num_shards": self.planner.num_shards,
             "shard_index": self.planner.shard_index,
         }
@@ -456,7 +488,8 @@ class Position:
 
     def check_state(self, state, *, same_length, name):
         """Checks `state` against this configuration. Returns `(pass, position,
-        num_batches)`.
+        num_batches, (shuffle, seed))`: a loader whose `shuffle` is None takes the state's
+        shuffle, one built without a seed its seed (what fixed the saved pass's order).
 
         Args:
             state: A dict from `state_dict()`/`state_at()`.
@@ -481,7 +514,11 @@ class Position:
         except KeyError as exc:
             raise ValueError(f"`state` lacks the entry {exc}; pass a dict from `loader.state()`.") from None
         planner = self.planner
-        expected = {"seed": planner.seed, "shuffle": planner.shuffle, "num_shards": planner.num_shards, "shard_index": planner.shard_index}
+        expected = {"num_shards": planner.num_shards, "shard_index": planner.shard_index}
+        if self.seed_given:
+            expected["seed"] = planner.seed
+        if self.own_shuffle is not None:
+            expected["shuffle"] = self.own_shuffle
         for field, want in expected.items():
             if state.get(field) != want:
                 raise ValueError(
@@ -498,10 +535,14 @@ class Position:
         length = planner.length(saved_n)
         if length is not None and position >= length:
             raise ValueError(f"state['position']={position} is out of range for a pass of {length} batches.")
-        return pass_, position, saved_n
+        shuffle, seed = state.get("shuffle"), state.get("seed")
+        if not isinstance(shuffle, bool) or isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"state['shuffle'] must be a bool and state['seed'] an int. Received: shuffle={shuffle!r}, "
+                             f"seed={seed!r}; pass a dict from `loader.state()`.")
+        return pass_, position, saved_n, (shuffle, seed)
 
     def load_state_dict(self, state, *, same_length, name):
         """Moves to where `state` resumes (after `check_state`). Returns its key."""
-        pass_, position, num_batches = self.check_state(state, same_length=same_length, name=name)
-        self.jump(pass_, position, num_batches)
+        pass_, position, num_batches, order = self.check_state(state, same_length=same_length, name=name)
+        self.jump(pass_, position, num_batches, order)
         return self.head
