@@ -343,12 +343,8 @@ class ProcessLoader(keras.utils.PyDataset):
     def on_epoch_end(self):
         """Runs the dataset's `on_epoch_end` now, once, and ends the current pass if any of
         it was read (a loop that stops early starts the next pass at `loader[0]`). What the
-        hook or you changed on the dataset reaches the workers before they load the next
-        pass (as at the first read of a pass nobody ended); batches loaded ahead stand if
-        it pickles to the same bytes (README, "What the fast paths assume").
-
-        `fit`/`evaluate`/`predict` do not call this: kpipe's adapter passes Keras's epoch
-        calls on by the rule of the class docstring.
+        hook or you changed on the dataset reaches the workers before the next pass (README,
+        "What the fast paths assume"). Keras's calls take kpipe's adapter (class docstring).
         """
         with self._reader.lock:
             self._reader.epoch_end_by_hand()
