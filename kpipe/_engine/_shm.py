@@ -453,7 +453,12 @@ class Segment:
 def dtype_token(dtype):
     """How a layout names `dtype`: its `str` (`'<f4'`), or the name of an `ml_dtypes` type
     (`'bfloat16'`: its `str` would be `'<V2'`, bytes without a meaning). `as_dtype` inverts it."""
-    return dtype.name if type(dtype).__module__ == "ml_dtypes" else dtype.str
+    return dtype.name if is_ml_dtype(dtype) else dtype.str
+
+
+def is_ml_dtype(dtype):
+    """Whether `dtype` is one of `ml_dtypes`' (bfloat16, float8_*, int4...)."""
+    return type(dtype).__module__.split(".")[0] == "ml_dtypes"
 
 
 def as_dtype(token):

@@ -16,7 +16,7 @@ change between batches are cast to batch 0's where NumPy casts them within a kin
 
 import numpy as np
 
-from kpipe._engine._shm import as_dtype, dtype_token
+from kpipe._engine._shm import as_dtype, dtype_token, is_ml_dtype
 
 from kpipe.errors import BatchStructureError
 
@@ -55,7 +55,7 @@ def _flatten(node, path, leaves, paths):
     arr = node if isinstance(node, np.ndarray) else _as_array(node, path)
     if not arr.dtype.isnative:  # big-endian on a little-endian host, or the reverse
         arr = arr.astype(arr.dtype.newbyteorder("="))
-    if arr.dtype.kind not in _OK_KINDS and type(arr.dtype).__module__ != "ml_dtypes":  # (bfloat16 & co.: raw bytes too)
+    if arr.dtype.kind not in _OK_KINDS and not is_ml_dtype(arr.dtype):  # (bfloat16 & co.: raw bytes too)
         raise BatchStructureError(
             f"{path} has dtype {arr.dtype} (received {_short(node)}). kpipe hands batches over "
             "as raw numeric memory: return numeric or bool NumPy arrays, e.g. encode strings "
