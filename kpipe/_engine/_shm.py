@@ -458,7 +458,7 @@ def dtype_token(dtype):
 
 def is_ml_dtype(dtype):
     """Whether `dtype` is one of `ml_dtypes`' (bfloat16, float8_*, int4...)."""
-    return type(dtype).__module__.split(".")[0] == "ml_dtypes"
+    return (getattr(dtype.type, "__module__", None) or "").split(".")[0] == "ml_dtypes"  # (its scalar type's)
 
 
 def as_dtype(token):
