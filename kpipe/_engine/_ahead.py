@@ -119,19 +119,30 @@ class _Aliases:
         return self._shared.layout(key)
 
 
+def _rebuild(payload, shared):
+    """`(copy, arrays)`: the dataset rebuilt here from `payload` -- classes sent by value
+    as the copy's own (the user's class is never rebound), big arrays as read-only views of
+    their shared copies (`arrays`, their registry; None where the payload carries them)."""
+    arrays = _ReadOnlyArrays(shared) if shared is not None else None
+    return _pickling.loads_apart(payload, arrays if arrays is not None else {}), arrays
+
+
+def _dump(copy, shared, arrays, what):
+    """`dumps` of a `_rebuild` copy: its arrays must be the views it was built with."""
+    return _pickling.dumps(copy, _Aliases(shared, arrays.ids) if arrays is not None else None, what=what)
+
+
 def repickled(payload, shared, what):
     """`payload` rebuilt as `run_hook_on_copy` rebuilds it and pickled again, without the
     hooks: how the dataset's own state would pickle had it been rebuilt like the copy.
     Rebuilt objects differ from the originals in what pickle memoises (a code object
     interns its names, an unpickled dict key is a string of its own), so equal states can
     pickle to other bytes; two rebuilt ones pickle alike. None where it cannot be done."""
-    arrays = _ReadOnlyArrays(shared) if shared is not None else None
     try:
-        rebuilt = _pickling.loads_apart(payload, arrays if arrays is not None else {})
-        out, _ = _pickling.dumps(rebuilt, _Aliases(shared, arrays.ids) if arrays is not None else None, what=what)
+        copy, arrays = _rebuild(payload, shared)
+        return _dump(copy, shared, arrays, what)[0]
     except Exception:
         return None
-    return out
 
 
 def run_hook_on_copy(payload, shared, *, call_hooks, num_batches, what):
@@ -151,9 +162,8 @@ def run_hook_on_copy(payload, shared, *, call_hooks, num_batches, what):
     Raises:
         NotAhead: the copy cannot stand for the real dataset this pass.
     """
-    arrays = _ReadOnlyArrays(shared) if shared is not None else None  # None: arrays travel in the payload
-    try:  # (classes sent by value are the copy's own: the user's class is never rebound)
-        copy = _pickling.loads_apart(payload, arrays if arrays is not None else {})
+    try:
+        copy, arrays = _rebuild(payload, shared)
     except Exception as exc:
         raise NotAhead(f"the dataset could not be rebuilt here: {type(exc).__name__}: {exc}") from None
     states = random.getstate(), np.random.get_state()
@@ -170,7 +180,7 @@ def run_hook_on_copy(payload, shared, *, call_hooks, num_batches, what):
         random.setstate(states[0])
         np.random.set_state(states[1])
     try:
-        out, keys = _pickling.dumps(copy, _Aliases(shared, arrays.ids) if arrays is not None else None, what=what)
+        out, keys = _dump(copy, shared, arrays, what)
     except Exception as exc:
         if isinstance(exc.__cause__, NotAhead):  # dumps wraps what persistent_id raises
             raise exc.__cause__ from None
@@ -255,10 +265,8 @@ class LoadAhead:
         hooks, pickles to `payload` (with shared `keys`; `rewrote`: it edited a shared
         array in place) and has `n` batches -- exactly the copy's, once rebuilt as the copy
         was (`repickled`; `shared`: the backend's shared arrays)."""
-        same = payload == ahead.payload or (
-            keys == ahead.keys and not rewrote and n == ahead.num_batches
-            and repickled(payload, shared, f"`{self.name}`") == ahead.payload)
-        if same and keys == ahead.keys and not rewrote and n == ahead.num_batches:
+        fits = keys == ahead.keys and not rewrote and n == ahead.num_batches
+        if fits and (payload == ahead.payload or repickled(payload, shared, f"`{self.name}`") == ahead.payload):
             self.stats["kept"] += 1
             self._fails = 0
             return True

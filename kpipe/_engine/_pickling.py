@@ -460,49 +460,23 @@ def _find_unpicklable(root, max_depth=4, max_items=2000):
             return [(f".{k}", v) for k, v in attrs.items()]
         return []
 
-    def walk(value, path, depth):
+    def walk(value, path, depth):  # -> (path, value) of the deepest refused value found
         if depth >= max_depth or budget[0] <= 0:
-            return path
+            return path, value
         for part, child in children(value):
             if budget[0] > 0 and refused(child):
                 return walk(child, path + part, depth + 1)
-        return path
+        return path, value
 
     try:
-        path = walk(root, "self", 0)
+        path, leaf = walk(root, "self", 0)
     except Exception:  # (a value whose attributes cannot even be read)
         return ""
     if path == "self":
         return ""
-    leaf = root
-    try:
-        for part, child in _follow(root, path[4:]):
-            leaf = child
-    except Exception:
-        return f" (`{path}`)"
     module = type(leaf).__module__
     kind = type(leaf).__qualname__ if module == "builtins" else f"{module}.{type(leaf).__qualname__}"
     return f" (`{path}` holds a {kind})"
-
-
-def _follow(root, rest):
-    """(part, value) along an attribute path made by `_find_unpicklable` (after 'self')."""
-    import re
-
-    value = root
-    for part in re.findall(r"\.[A-Za-z_][A-Za-z0-9_]*|\[[^\]]*\]", rest):
-        if part.startswith("."):
-            value = getattr(value, part[1:])
-        else:
-            key = part[1:-1]
-            value = value[int(key)] if isinstance(value, (list, tuple)) else value[_literal(key)]
-        yield part, value
-
-
-def _literal(text):
-    import ast
-
-    return ast.literal_eval(text)
 
 
 def _short(value, limit=100):

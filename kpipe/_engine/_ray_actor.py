@@ -61,7 +61,7 @@ class Loader:
         travels (`leaves` None, `slot` = (slot, fd, pid, layout)); else the arrays go
         through the object store (`slot` None). `pools`: what the thread budget set, when
         the dataset imported a library with a pool of its own (else None)."""
-        from kpipe._engine._worker import pack_exception
+        from kpipe._engine._worker import TaskError, pack_exception
 
         for slot in released:
             if slot in self.pinned:  # never reused: closed here (the dataset's arrays keep its pages)
@@ -76,7 +76,7 @@ class Loader:
         for j, (key, seed) in enumerate(items):
             try:
                 outcomes.append(("ok", self._load(j, key, seed, local)))
-            except _Failed as failed:
+            except TaskError as failed:
                 outcomes.append(("error", failed.packed))
             except Exception as exc:  # SystemExit/KeyboardInterrupt end the actor
                 outcomes.append(("error", pack_exception(exc)))
@@ -85,7 +85,7 @@ class Loader:
     def _load(self, j, key, seed, local):
         """Loads batch `key`, the `j`-th of this call (see `load_many`)."""
         from kpipe._engine import _alloc, _shm
-        from kpipe._engine._worker import pack_exception
+        from kpipe._engine._worker import TaskError, pack_exception
 
         if self.error is not None:
             raise LoaderError(f"This Ray actor could not take the dataset's new state: {type(self.error).__name__}: "
@@ -123,13 +123,13 @@ class Loader:
         finally:
             _alloc.end()
         if packed is not None:  # (the exception and its frames are gone: what still holds the slot, the dataset kept)
-            if local:
-                if alloc.keep_apart():  # a cache filled before the exception: never reused (NOTE in _alloc.py)
-                    self.pinned.add(slot)
-                    self.slots[slot].close()
-                else:
-                    self.free.append(slot)
-            raise _Failed(packed)
+            pinned = local and alloc.keep_apart()  # a cache filled before the exception: never reused (NOTE in _alloc.py)
+            if pinned:
+                self.pinned.add(slot)
+                self.slots[slot].close()
+            elif local:
+                self.free.append(slot)
+            raise TaskError(packed, pinned)
         treedef, leaves, _ = _tree.flatten(out)
         if not local:
             self.arena_allocs[j] = alloc
@@ -147,10 +147,3 @@ def _seed_numpy(seed):
 
     np.random.seed(seed)
 
-
-class _Failed(Exception):
-    """The dataset raised loading a batch: `packed` (`pack_exception`)."""
-
-    def __init__(self, packed):
-        super().__init__(packed["message"])
-        self.packed = packed
