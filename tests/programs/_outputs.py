@@ -27,3 +27,19 @@ def read(out_dir, worker_index):
     with np.load(stem + ".npz") as f:
         arrays = {k: f[k] for k in f.files}
     return record, arrays
+
+
+def leave(status):
+    """Ends a job's worker once its results are written: runs the exit handlers (kpipe's
+    removal of a worker's temporary save directory among them), then leaves without the
+    interpreter's teardown of TensorFlow, in which a worker can hang once the other task
+    is gone (a chief that trains its one-process reference after the job ends minutes
+    after the workers on a loaded machine: worker 1 printed "done", then hung until the
+    launch's 240 s timeout; tensorflow/tensorflow#58434 is that class of exit)."""
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

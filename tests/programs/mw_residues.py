@@ -137,10 +137,4 @@ def main(argv=None):
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     status = main()
-    # Leave without TensorFlow's interpreter teardown (see the end of mw_train.py).
-    import atexit
-
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    _outputs.leave(status)

@@ -334,15 +334,6 @@ def main(argv=None):
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     status = main()
-    # The results are written: run the exit handlers (kpipe's removal of a worker's
-    # temporary save directory among them), then leave without the interpreter's teardown
-    # of TensorFlow, in which a worker can hang once the other task is gone (the chief
-    # trains its one-process reference after the job, so on a loaded machine the workers
-    # end minutes apart: worker 1 printed "done", then hung until the launch's 240 s
-    # timeout; tensorflow/tensorflow#58434 is that class of exit).
-    import atexit
+    import _outputs
 
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    _outputs.leave(status)
