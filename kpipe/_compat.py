@@ -188,6 +188,17 @@ def check_versions(installed=None):
         )
 
 
+def is_keras_variable(value) -> bool:
+    """Whether `value` is a Keras variable of any backend. Older Keras (3.5) exports `keras.Variable`
+    as a class of its own that the backends' variables do not derive from (an optimizer's
+    learning rate fails `isinstance(lr, keras.Variable)` there): test their common base."""
+    import keras
+    from keras.src.backend.common import variables
+
+    base = getattr(variables, "KerasVariable", None) or variables.Variable
+    return isinstance(value, (keras.Variable, base))
+
+
 def keras_version():
     """The imported Keras's version as a tuple, e.g. `(3, 5, 0)`."""
     import keras

@@ -283,9 +283,6 @@ class CrashAtStep(keras.callbacks.Callback):
 
 from kpipe import _compat  # noqa: E402
 
-# Issue 52's exact resume with Warmup is not bit-identical on the oldest pair (Keras 3.5, TF 2.16): open there
-_OLD_KERAS_52 = pytest.mark.skipif(not _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET),
-                                   reason="exact resume with Warmup is checked on Keras >= 3.7 (issue 52 stays open for 3.5)")
 _OLD_KERAS = pytest.mark.skipif(not _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET),
                                 reason="Keras < 3.7 stops after one pass with steps_per_epoch")
 
@@ -375,8 +372,6 @@ def _assert_resumed_like(full, weights, rates, restored_step):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", list(resume_cases.CASES))
 def test_same_process_retry_ends_bit_identical(name, full_runs, tmp_path, no_leaks):
-    if "warmup" in name and not _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET):
-        pytest.skip("exact resume with Warmup is checked on Keras >= 3.7 (issue 52 stays open for 3.5)")
     # Random layers' seed generators, the optimizer's state and Warmup (either side of the
     # backup callback) resume where the backup was taken; the model and callbacks are reused.
     model, data, made = resume_cases.crash(name, str(tmp_path / "backup"))
@@ -389,7 +384,6 @@ def test_same_process_retry_ends_bit_identical(name, full_runs, tmp_path, no_lea
     _assert_resumed_like(full_runs[name], weights, rates, backup.restored_step)
 
 
-@_OLD_KERAS_52
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_relaunched_process_ends_bit_identical(tmp_path):

@@ -227,3 +227,16 @@ def test_install_keras_fixes_patches_only_older_keras():
     assert [getattr(m, "_kpipe_patched", False) for m in now] == [False, version < (3, 8), version < (3, 10)]
     if version >= (3, 10):
         assert now == methods
+
+
+def test_is_keras_variable_knows_every_keras_variable():
+    # Keras 3.5 exports `keras.Variable` as a class the backends' variables do not derive
+    # from: an optimizer's learning rate failed `isinstance(lr, keras.Variable)` there, and
+    # Warmup resumed by BackupAndRestore ramped to the restored mid-ramp rate (issue 52).
+    import keras
+
+    optimizer = keras.optimizers.SGD(0.05)
+    assert _compat.is_keras_variable(optimizer._learning_rate)
+    assert _compat.is_keras_variable(keras.Variable(1.0))
+    assert not _compat.is_keras_variable(0.05)
+    assert not _compat.is_keras_variable(keras.optimizers.schedules.ExponentialDecay(0.1, 4, 0.5))

@@ -181,10 +181,6 @@ def test_a_retry_after_an_interruption_ramps_on_to_the_compiled_rate(rate):
 @pytest.mark.parametrize("warmup_first", [True, False], ids=["warmup-first", "backup-first"])
 @pytest.mark.parametrize("rate", [0.4, CONSTANT_SCHEDULE], ids=["float", "schedule"])
 def test_warmup_with_backup_resumes_the_ramp_at_the_trained_step(rate, warmup_first, tmp_path):
-    from kpipe import _compat
-
-    if not _compat.keras_at_least(_compat.KERAS_EPOCH_ITERATOR_RESET):
-        pytest.skip("Warmup resumed by BackupAndRestore is checked on Keras >= 3.7 (issue 52 stays open for 3.5)")
     from kpipe.callbacks import BackupAndRestore
 
     def callbacks(backup_dir):

@@ -4,7 +4,7 @@ from typing import Optional
 
 import keras
 
-from kpipe import _keras_hook
+from kpipe import _compat, _keras_hook
 
 _keras_hook.install_fit_wrappers()  # fit()'s end runs _hand_back, however it ends (kpipe/_fit_scope.py)
 
@@ -125,7 +125,7 @@ class Warmup(keras.callbacks.Callback):
             target = self.target_lr
         elif isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
             target = float(lr(steps))
-        elif not isinstance(lr, keras.Variable) and callable(lr):
+        elif not _compat.is_keras_variable(lr) and callable(lr):
             target = float(lr())
         elif self._start_rate is not None:
             target = self._start_rate
@@ -147,7 +147,7 @@ class Warmup(keras.callbacks.Callback):
         optimizer = getattr(model, "optimizer", None)
         lr = getattr(optimizer, "_learning_rate", None)
         self._start_rate = (float(keras.ops.convert_to_numpy(lr))
-                            if isinstance(lr, keras.Variable) else None)
+                            if _compat.is_keras_variable(lr) else None)
 
     def on_train_begin(self, logs=None):
         from kpipe import _fit_scope
@@ -158,7 +158,7 @@ class Warmup(keras.callbacks.Callback):
             optimizer.learning_rate = lr
         self._plan = self._make_plan(optimizer, lr)
         steps, initial, target = self._plan
-        self._variable_mode = isinstance(lr, keras.Variable) or not callable(lr)
+        self._variable_mode = _compat.is_keras_variable(lr) or not callable(lr)
         self._ramping, self._handed_back = self._variable_mode, False
         # In Keras's fit() the step about to run is the optimizer's count, which the steps
         # BackupAndRestore skips do not advance: read it before each step of the ramp.
