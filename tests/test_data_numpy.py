@@ -76,3 +76,34 @@ def test_bad_shard_arguments():
         kpipe.data.from_numpy(x, num_shards=2)
     with pytest.raises(ValueError, match="`block_size` must be an integer >= 1"):
         kpipe.data.from_numpy(x, block_size=0)
+
+
+@pytest.mark.parametrize("layout", ["memory", "npy"])
+def test_blocks_handed_to_tensorflow_are_never_the_users_memory(layout, tmp_path):
+    # tf.numpy_function wraps a returned array without a copy and may then write an op's
+    # output into it: on TF 2.16 a shuffled from_numpy mapped with `y + 1` added 1 to the
+    # user's y[0] every pass (issue 51). Every block read is memory of its own.
+    x, y = _xy()
+    if layout == "npy":
+        np.save(tmp_path / "x.npy", x)
+        np.save(tmp_path / "y.npy", y)
+        x, y = np.load(tmp_path / "x.npy", mmap_mode="r"), np.load(tmp_path / "y.npy", mmap_mode="r")
+    source, _ = source_of(kpipe.data.from_numpy(x, y, block_size=8))
+    for lo in range(0, N, 8):
+        hi = min(N, lo + 8)
+        got = source._read_np(np.array([0, lo, hi]), [0, 1])
+        assert [g.tolist() for g in got] == [x[lo:hi].tolist(), y[lo:hi].tolist()]
+        assert not any(np.shares_memory(g, a) for g in got for a in (x, y))
+        assert all(g.flags.writeable and g.base is None for g in got)
+
+
+def test_a_mapped_shuffled_pipeline_leaves_the_users_arrays_unchanged():
+    x, y = _xy()
+    x0, y0 = x.copy(), y.copy()
+    ds = kpipe.data.from_numpy(x, y.astype(np.int32), block_size=3)
+    y32 = source_of(ds)[0].reader.arrays[1]
+    want = sorted(int(v) + 1 for v in y32)
+    pipe = kpipe.data.pipeline(ds, batch_size=2, shuffle=49, seed=412383074, map_fn=lambda a, b: (a * 1.0, b + 1))
+    for _ in range(6):
+        assert sorted(int(v) for _, b in pipe.as_numpy_iterator() for v in b) == want
+    assert np.array_equal(x, x0) and np.array_equal(y, y0) and np.array_equal(y32, y0.astype(np.int32))

@@ -166,6 +166,13 @@ class BlockSource(Source):
             t.set_shape((None,) + self.leaves[i].sample_shape)
         return outs
 
+    # NOTE [ A block TensorFlow may write into ]
+    # `tf.numpy_function` wraps a returned array without a copy, and TensorFlow then treats
+    # the memory as its own: an op whose input it is the last user of may write its output
+    # there (buffer forwarding). A block sliced out of the user's in-memory array is a view
+    # of it, so on TF 2.16 `map(lambda x, y: (x, y + 1))` after a shuffled `from_numpy`
+    # added 1 to the user's `y[0]` every pass (and a view of a read-only memmap would fault).
+    # A read that is not an array of its own is copied: one memcpy per block.
     def _read_np(self, row, ids):
         part, lo, hi = (int(v) for v in row)
         arrays = self.reader.read(part, lo, hi, ids)
@@ -179,6 +186,8 @@ class BlockSource(Source):
                     f"shape {a.shape}, expected {(hi - lo,) + leaf.sample_shape}. The data changed "
                     "after the dataset was created; recreate it."
                 )
+            if a.base is not None or not a.flags.owndata or not a.flags.writeable:
+                a = a.copy()  # see NOTE [ A block TensorFlow may write into ]
             out.append(a)
         return out
 
