@@ -50,8 +50,11 @@ class Padding:
             "sample[0]['ids']"); leaves it does not name get 0. Defaults to 0.
         side: "right" (pad after, keep the head when truncating: Keras "post") or
             "left" (pad before, keep the tail: Keras "pre"). Defaults to "right".
-        leaves: The leaf names to pad (see `value`); None: every leaf of rank >= 1.
-            Leaves not padded must have one shape in a batch. Defaults to None.
+        leaves: The leaf names to pad (see `value`); None: every leaf of rank >= 1 of
+            a dict or array sample, and of the inputs `x` of an `(x, y[, w])` tuple
+            sample (a `(1,)` target is not stretched to a fixed length; name `1` to pad
+            per-token targets). Leaves not padded must have one shape in a batch.
+            Defaults to None.
         mask: A key to add to the sample's dict (or its inputs' dict) holding a
             `(rows, length)` mask, 1 on real elements and 0 on padding, of the first
             padded leaf. Defaults to None (no mask).
@@ -158,8 +161,9 @@ class Plan:
         self.padding, self.treedef, self.name = padding, treedef, dataset_name
         names = leaf_names(treedef)
         self.paths = _tree.leaf_paths(treedef, "sample")
-        if padding.leaves is None:
-            self.padded = [leaf.ndim >= 1 for leaf in first_leaves]
+        if padding.leaves is None:  # (x, y[, w]): x's leaves; a dict or an array: all
+            inputs = [0 in n or n == {"sample"} for n in names] if treedef[0] in ("tuple", "list") else None
+            self.padded = [leaf.ndim >= 1 and (inputs is None or inputs[k]) for k, leaf in enumerate(first_leaves)]
         else:
             known = set().union(*names) if names else set()
             unknown = [n for n in padding.leaves if n not in known]
@@ -186,7 +190,11 @@ class Plan:
             raise BatchStructureError(f"`Padding` pads no leaf of `{dataset_name}`'s samples ({self.paths}): each is a "
                                       "scalar or left out by `leaves=`.")
         if padding.mask is not None or padding.lengths is not None:
-            self.extra = _extra_dict(treedef, dataset_name)
+            keys = _extra_dict(treedef, dataset_name)[1]
+            taken = [k for k in (padding.mask, padding.lengths) if k in keys]
+            if taken:
+                raise ValueError(f"`Padding` would add the key {taken[0]!r}, which samples of `{dataset_name}` have "
+                                 "already. Give `mask`/`lengths` another key.")
 
     def fill(self, samples, rows, bucket_limit=None, given_lengths=None):
         """The batch of `rows` (each a list of leaves, of sample indices `samples`),
@@ -277,7 +285,7 @@ def _check_column(column, samples, ref, path, name, padded):
     leaf's first axis) shape: a named error naming both samples otherwise."""
     for j, leaf in zip(samples[1:], column[1:]):
         if leaf.dtype != ref.dtype or leaf.ndim != ref.ndim or leaf.shape[padded:] != ref.shape[padded:]:
-            what = "its first axis padded" if padded else "not padded"
+            what = "its first axis padded" if padded else "not padded: name it in Padding(leaves=...) to pad it"
             raise BatchStructureError(
                 f"Sample {j} of `{name}` has {path} with shape {leaf.shape} and dtype {leaf.dtype}, but sample "
                 f"{samples[0]} of the same batch had {ref.shape} and {ref.dtype} ({what}). Samples must agree in "

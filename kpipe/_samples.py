@@ -316,7 +316,7 @@ def _lengths_and_pool(dataset, lengths, padding, buckets):
     (counted by a warning). A sample too long for "raise" is refused here already."""
     n = len(dataset)
     if lengths is None:
-        lengths = np.array([_measure(dataset, j, padding) for j in range(n)], np.int64)
+        lengths = _measure(dataset, padding)
     else:
         if callable(lengths):
             lengths = [lengths(j) for j in range(n)]
@@ -341,11 +341,21 @@ def _lengths_and_pool(dataset, lengths, padding, buckets):
     return lengths, np.setdiff1d(np.arange(n), long)
 
 
-def _measure(dataset, j, padding):
-    """Sample `j`'s length: the first axis of its first padded leaf."""
-    treedef, leaves, _ = _tree.flatten(dataset[j], what="sample")
-    plan = _padding.Plan(padding or _padding.Padding(), treedef, leaves, _name(dataset))
-    return leaves[plan.length_leaf].shape[0]
+def _measure(dataset, padding):
+    """Every sample's length, each read once: the first axis of its first padded leaf."""
+    if not len(dataset):
+        return np.empty(0, np.int64)
+    sample = dataset[0]
+    treedef, leaves, _ = _tree.flatten(sample, what="sample")
+    k = _padding.Plan(padding or _padding.Padding(), treedef, leaves, _name(dataset)).length_leaf
+    leaves_of, lengths = _leaves_of(treedef), np.empty(len(dataset), np.int64)
+    for j in range(len(dataset)):
+        sample = dataset[j] if j else sample
+        values = leaves_of(sample)
+        if values is None:
+            raise _structure_error(dataset, j, sample, 0, treedef)
+        lengths[j] = np.shape(values[k])[0]
+    return lengths
 
 
 def _short(value, limit=80):
