@@ -102,6 +102,12 @@ class SampleBatches:
     def __setstate__(self, state):
         self.__dict__.update(state, _order=(None, None), _plan=(None, None), _pad=None)
 
+    @property
+    def kpipe_varying_shapes(self):
+        """Whether batches' inner sizes vary (padding, collate): `as_dataset()`'s spec
+        leaves them None."""
+        return self.padding is not None or self.collate is not None
+
     def num_samples(self):
         return len(self.dataset) if self.pool is None else len(self.pool)
 

@@ -203,6 +203,12 @@ def test_shards_read_disjoint_bucketed_batches_covering_every_sample(no_leaks):
     assert sorted(seen) == list(range(29))
 
 
+def test_as_dataset_takes_batches_whose_padded_length_changes_after_the_first_two(no_leaks):
+    ds = Tokens([5, 5, 5, 5, 9, 3, 2, 7])  # batches 0 and 1 both (2, 5)
+    with kpipe.ProcessLoader.from_samples(ds, 2, padding=kpipe.Padding(), workers=1) as loader:
+        assert [x.shape for x, _ in loader.as_dataset()] == [(2, 5), (2, 5), (2, 9), (2, 7)]
+
+
 # ------------------------------------------------------------------ lengths
 def test_given_lengths_cost_no_load_and_otherwise_each_sample_is_read_once_when_built():
     lengths = token_lengths(30, seed=9)
