@@ -10,9 +10,10 @@ Workloads (standalone; to be folded into scripts/bench_loaders.py's registry lat
 
 Every row reads the same samples in a fresh shuffled order per epoch, bucketed by the same
 boundaries (the PyTorch row pads plain random batches: what its collate does). Method:
-`--epochs` passes per row, the first a warm-up; the rate of each later pass is its samples
-/ wall time, reported as median and best; ratios are of medians measured in this run
-(side by side, same machine load). Padding waste = padded elements / real elements over
+`--epochs` passes per row, the first a warm-up (it includes starting the workers); the
+rows' passes are interleaved (pass e of each row in turn), so the machine's load reaches
+every row alike; the rate of each later pass is its samples / wall time, reported as
+median and best; ratios are of medians measured in this run. Padding waste = padded elements / real elements over
 the pass. Run: `python scripts/bench_varlen.py [--smoke] [--workers 2] [--json out.json]`.
 """
 
@@ -83,18 +84,25 @@ def _order(n, seed, epoch):
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-def _timed(epochs, run_epoch):
-    """Runs `epochs` passes (`run_epoch(e) -> (samples, padded, real)`); the rates of all
-    but the first."""
-    rates, waste = [], None
-    for e in range(epochs):
-        start = time.perf_counter()
-        samples, padded, real = run_epoch(e)
-        elapsed = time.perf_counter() - start
-        waste = padded / max(real, 1)
-        if e:
-            rates.append(samples / elapsed)
-    return rates, waste
+def interleaved(runs, epochs):
+    """Runs the rows' passes in turn -- pass e of every row, then pass e + 1 -- so a change
+    in the machine's load reaches every row alike. `runs`: {row: generator yielding
+    `(samples, padded, real)` per pass, set up in its first}. Returns {row: (rates of all
+    passes but the first, padding waste)}."""
+    rates, waste = {row: [] for row in runs}, {}
+    try:
+        for e in range(epochs):
+            for row, run in runs.items():
+                start = time.perf_counter()
+                samples, padded, real = next(run)
+                elapsed = time.perf_counter() - start
+                waste[row] = padded / max(real, 1)
+                if e:
+                    rates[row].append(samples / elapsed)
+    finally:
+        for run in runs.values():
+            run.close()
+    return {row: (rates[row], waste[row]) for row in runs}
 
 
 def run_kpipe(spec, workers, epochs, seed):
@@ -102,15 +110,13 @@ def run_kpipe(spec, workers, epochs, seed):
     buckets = kpipe.Buckets(spec["boundaries"])
     with kpipe.ProcessLoader.from_samples(ds, spec["batch"], buckets=buckets, lengths=ds.lengths, shuffle=True, seed=seed,
                                           workers=workers) as loader:
-        def epoch(_):
+        for _ in range(epochs):
             samples = padded = 0
             for i in range(len(loader)):
                 x, y = loader[i]
                 samples, padded = samples + len(y), padded + x.size
                 float(x[0, 0])  # (read it, as a consumer would)
-            return samples, padded, int(ds.lengths.sum())
-
-        return _timed(epochs, epoch)
+            yield samples, padded, int(ds.lengths.sum())
 
 
 # ------------------------------------------------------------------ bare processes
@@ -152,7 +158,7 @@ def run_bare(spec, workers, epochs, seed, slots=2):
     for p in procs:
         p.start()
     try:
-        def epoch(e):
+        for e in range(epochs):
             plan = buckets.plan(_order(len(ds), seed, e), ds.lengths, spec["batch"], False, None)
             for i in range(min(len(plan), workers * slots)):
                 tasks[i % workers].put((i, plan[i][1], i // workers))
@@ -168,9 +174,7 @@ def run_bare(spec, workers, epochs, seed, slots=2):
                 nxt = i + workers * slots
                 if nxt < len(plan):
                     tasks[w].put((nxt, plan[nxt][1], slot))
-            return samples, padded, int(ds.lengths.sum())
-
-        return _timed(epochs, epoch)
+            yield samples, padded, int(ds.lengths.sum())
     finally:
         for q in tasks:
             q.put(None)
@@ -197,7 +201,7 @@ def run_tfdata(spec, workers, epochs, seed):
         x, y = ds[int(j)]
         return x, y
 
-    def epoch(e):
+    for e in range(epochs):
         source = tf.data.Dataset.from_tensor_slices(_order(len(ds), seed, e))
         source = source.map(lambda j: tf.numpy_function(load, [j], (dtype, tf.int32)), num_parallel_calls=workers)
         source = source.map(lambda x, y: (tf.ensure_shape(x, [None]), tf.ensure_shape(y, [])))
@@ -205,9 +209,7 @@ def run_tfdata(spec, workers, epochs, seed):
         samples = padded = 0
         for x, y in source.prefetch(tf.data.AUTOTUNE).as_numpy_iterator():
             samples, padded = samples + len(y), padded + x.size
-        return samples, padded, int(ds.lengths.sum())
-
-    return _timed(epochs, epoch)
+        yield samples, padded, int(ds.lengths.sum())
 
 
 def _torch_pad(batch):
@@ -226,13 +228,11 @@ def run_torch(spec, workers, epochs, seed):
     loader = torch.utils.data.DataLoader(ds, batch_size=spec["batch"], shuffle=True, num_workers=workers,
                                          collate_fn=_torch_pad, generator=gen, persistent_workers=True)
 
-    def epoch(_):
+    for _ in range(epochs):
         samples = padded = 0
         for x, y in loader:
             samples, padded = samples + len(y), padded + x.numel()
-        return samples, padded, int(ds.lengths.sum())
-
-    return _timed(epochs, epoch)
+        yield samples, padded, int(ds.lengths.sum())
 
 
 def plain_waste(lengths, batch, seed):
@@ -277,14 +277,16 @@ def main(argv=None):
     result = {"workers": args.workers, "epochs": args.epochs, "smoke": args.smoke, "rows": [], "skipped": []}
     for name in names:
         spec = specs[name]
-        rates = {}
+        runs = {}
         for row, run, module in ROWS:
             reason = peer_missing(module) if module else None
             if reason or run is None:
                 print(f"  {name}: {row}: {reason}")
                 result["skipped"].append({"workload": name, "row": row, "reason": reason})
                 continue
-            per_epoch, waste = run(spec, args.workers, args.epochs, args.seed)
+            runs[row] = run(spec, args.workers, args.epochs, args.seed)
+        rates = {}
+        for row, (per_epoch, waste) in interleaved(runs, args.epochs).items():
             rates[row] = statistics.median(per_epoch)
             result["rows"].append({"workload": name, "row": row, "median_samples_per_s": rates[row],
                                    "best_samples_per_s": max(per_epoch), "epoch_rates": per_epoch, "padding_waste": waste})
