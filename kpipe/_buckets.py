@@ -93,6 +93,7 @@ class Buckets:
         return f"Buckets({self.boundaries}, batch_sizes={self.batch_sizes}, pad_to_boundary={self.pad_to_boundary})"
 
     def sizes(self, batch_size):
+        """The batch size of each bucket (`batch_size` where `batch_sizes` is None)."""
         return self.batch_sizes or [batch_size] * (len(self.boundaries) + 1)
 
     def limit(self, bucket):
@@ -106,6 +107,7 @@ class Buckets:
         return self.boundaries[-1] - 1 if self.pad_to_boundary else None
 
     def bucket_of(self, lengths):
+        """The bucket of each length (an int array)."""
         return np.searchsorted(np.asarray(self.boundaries), lengths, side="right")
 
     def count(self, lengths, batch_size, drop_remainder):

@@ -201,7 +201,6 @@ class Plan:
         padded into arrays allocated with `kpipe.empty` (the slot). `given_lengths`: the
         lengths the user gave for these samples, checked against them."""
         p = self.padding
-        first = samples[0]
         out = []
         real = None
         for k, ref in enumerate(rows[0]):
@@ -245,7 +244,6 @@ class Plan:
             if k == self.length_leaf:
                 real = (used, target)
             out.append(batch)
-        del first
         tree = _tree.unflatten(self.treedef, out)
         if p.mask is not None or p.lengths is not None:
             self._add_extra(tree, *real)

@@ -47,7 +47,8 @@ once per sample when the loader is built) let the plan avoid loading samples: bu
 and `Padding(too_long="drop")` need every length before a pass, and without `lengths`
 each sample is read once, in the main process, when the loader is built to measure it
 (the first padded leaf's first axis). Given lengths are checked against the samples as
-they are batched (a named error when they disagree).
+they are padded (a named error when they disagree; a collate function sees the samples
+as they are).
 """
 
 import os

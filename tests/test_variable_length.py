@@ -122,6 +122,30 @@ def test_float_frames_pad_along_the_time_axis_like_padded_batch(no_leaks):
         assert _equal((g[0][:, ::-1], g[1]), (x.numpy(), y.numpy()))
 
 
+def test_padded_batches_and_their_mask_are_written_in_the_slot_without_a_copy():
+    from kpipe._engine import _alloc, _shm
+
+    ds = Tokens([3, 7, 0, 5], dict_samples=True)
+    batches = _samples.SampleBatches(ds, 4, shuffle=False, seed=0, drop_remainder=False,
+                                     padding=kpipe.Padding(mask="mask", lengths="n", multiple_of=4))
+    segment = _shm.Segment.create(0)
+    try:
+        alloc = _alloc.begin(segment)  # what a worker does around __getitem__
+        try:
+            batch = batches[(0, 0)]
+        finally:
+            _alloc.end()
+        # every array in the slot: handed over as it is, no padded temporary copied in
+        offsets = {key: alloc.offset_of(leaf) for key, leaf in batch.items()}
+        assert None not in offsets.values(), offsets
+        # and nothing else was allocated there: the slot ends with the last of them
+        assert alloc.used == max(offsets[k] + batch[k].nbytes for k in batch)
+        assert batch["input_ids"].shape == (4, 8) and batch["n"].tolist() == [3, 7, 0, 5]
+        del batch, alloc
+    finally:
+        segment.close()
+
+
 # ------------------------------------------------------------------ bucket parity
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("pad_to_boundary, drop", [(False, False), (True, True)], ids=["longest", "boundary-drop"])
