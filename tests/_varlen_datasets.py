@@ -15,11 +15,13 @@ class Tokens:
     """Sample j: token ids 1..vocab-1 of length `lengths[j]` (int32) and a label j % 2;
     as a dict `{"input_ids", "attention_mask", "labels"}` with `dict_samples`. `bad`:
     {j: "rank" | "dtype" | "inner"} makes sample j's ids 2-D, int64, or (L, 2) instead;
-    `index_labels`: the label is j."""
+    `index_labels`: the label is j; `column_targets`: a float32 (1,) target (a model's
+    output shape) instead."""
 
-    def __init__(self, lengths, dict_samples=False, mask=False, bad=None, vocab=50, index_labels=False):
+    def __init__(self, lengths, dict_samples=False, mask=False, bad=None, vocab=50, index_labels=False,
+                 column_targets=False):
         self.lengths, self.dict_samples, self.mask = np.asarray(lengths), dict_samples, mask
-        self.index_labels = index_labels
+        self.index_labels, self.column_targets = index_labels, column_targets
         self.bad, self.vocab = bad or {}, vocab
         self.reads = 0  # samples read in this process
 
@@ -40,6 +42,8 @@ class Tokens:
         elif kind == "dtype":
             ids = ids.astype(np.int64)
         label = np.int32(j if self.index_labels else j % 2)
+        if self.column_targets:
+            return ids, np.float32([label])
         if not self.dict_samples:
             return ids, label
         sample = {"input_ids": ids, "labels": label}
@@ -49,14 +53,15 @@ class Tokens:
 
 
 class Frames(Tokens):
-    """Sample j: a float32 (length, 2) array of j and a float32 target; sample `bad`'s
+    """Sample j: a float32 (length, 2) array of j and a float32 target j; sample `bad`'s
     frames are (length, 3)."""
 
     def __getitem__(self, j):
         if not 0 <= j < len(self):
             raise IndexError(j)
         width = 3 if self.bad.get(j) == "inner" else 2
-        return np.full((self.lengths[j], width), j, np.float32), np.float32(j)
+        x = np.full((self.lengths[j], width), j, np.float32)
+        return (x, np.float32([j])) if self.column_targets else (x, np.float32(j))
 
 
 class Pids(Tokens):

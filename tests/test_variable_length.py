@@ -394,16 +394,10 @@ class _Traces(keras.layers.Layer):
         return x
 
 
-class _AsFloat(Tokens):
-    def __getitem__(self, j):
-        ids, label = super().__getitem__(j)
-        return ids, np.float32([label])
-
-
 def test_embedding_mask_zero_trains_the_same_weights_from_kpipe_and_tf_data_with_one_trace_per_bucket(no_leaks):
     lengths = token_lengths(48, seed=12, low=1, high=16)
     bounds, sizes = [6, 11, 16], [4, 4, 4, 4]
-    ds = _AsFloat(lengths)
+    ds = Tokens(lengths, column_targets=True)
     buckets = kpipe.Buckets(bounds, sizes, pad_to_boundary=True)
     source = _tf_source(ds, np.arange(len(ds))).bucket_by_sequence_length(
         lambda x, y: tf.shape(x)[0], bounds, sizes, pad_to_bucket_boundary=True, drop_remainder=True)
@@ -418,5 +412,27 @@ def test_embedding_mask_zero_trains_the_same_weights_from_kpipe_and_tf_data_with
     assert len(shapes) == 3  # one shape per bucket used (the partial batches dropped)
     print("traces:", _Traces.calls, "shapes:", sorted(shapes))
     assert 1 <= _Traces.calls <= len(shapes), _Traces.calls
+    for a, b in zip(got.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_masking_trains_the_same_weights_from_kpipe_padding_and_tf_padded_batch(no_leaks):
+    ds = Frames(token_lengths(24, seed=13, low=1, high=12))
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((None, 2))
+        x = keras.layers.Masking(0.0)(inputs)
+        x = keras.layers.GlobalAveragePooling1D()(x)
+        m = keras.Model(inputs, keras.layers.Dense(1)(x))
+        m.compile(keras.optimizers.SGD(0.01), "mse")
+        return m
+
+    source = _tf_source(ds, np.arange(len(ds))).map(lambda x, y: (x, y[None])).padded_batch(6)
+    plain = model()
+    plain.fit(source.apply(tf.data.experimental.assert_cardinality(4)), epochs=2, verbose=0, shuffle=False)
+    got = model()
+    with kpipe.ProcessLoader.from_samples(Frames(ds.lengths, column_targets=True), 6, padding=kpipe.Padding(), workers=1) as loader:
+        got.fit(loader, epochs=2, verbose=0, shuffle=False)
     for a, b in zip(got.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
