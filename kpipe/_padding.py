@@ -16,8 +16,12 @@ and writes each sample's values and the pad value into its row once:
     left:      out_k[r, L-n:] = sample[-n:]; out_k[r, :L-n] = value
 
 No padded temporary is made per sample or per batch (`keras.utils.pad_sequences` and
-`padded_batch` fill a fresh array, then it is copied into shared memory); the samples of
-a batch are held until the target lengths are known, as a collate function holds them.
+`padded_batch` fill a fresh array, then it is copied into shared memory). Where the
+padded lengths are known before the samples are read -- a fixed `length`, a bucket's
+boundary, or the lengths the user gave with one padded leaf -- each sample is written as
+it is read and dropped before the next (its memory then reused for it, as the stacked
+path does); otherwise the batch's samples are held until its longest is known, as a
+collate function holds them.
 A leaf is padded along its first axis (a sequence's time axis); its other axes, its rank
 and its dtype must agree between the samples of a batch (a named error otherwise). The
 mask (`mask=`) and lengths (`lengths=`) outputs are two more arrays in the slot, added to
@@ -196,74 +200,110 @@ class Plan:
                 raise ValueError(f"`Padding` would add the key {taken[0]!r}, which samples of `{dataset_name}` have "
                                  "already. Give `mask`/`lengths` another key.")
 
+    def targets(self, bucket_limit=None, rows=None, given=None):
+        """Per leaf, the padded length of this batch's leaf (None for a leaf not padded),
+        or None when it is not known before the samples are read: known for a fixed
+        length or a bucket's boundary, from the samples (`rows`), or from the lengths the
+        user gave (`given`) where a single leaf is padded."""
+        fixed = self.padding.max_length(bucket_limit)
+        out = []
+        for k, padded in enumerate(self.padded):
+            if not padded:
+                out.append(None)
+                continue
+            if fixed is not None:
+                longest = fixed
+            elif rows is not None:
+                longest = max(row[k].shape[0] for row in rows)
+            elif given is not None and sum(self.padded) == 1:
+                longest = max(given)
+            else:
+                return None
+            out.append(self.padding.target(longest, bucket_limit))
+        return out
+
+    def batch(self, size, first, first_leaves, targets, bucket_limit=None):
+        """A `Batch` of `size` rows whose first sample (index `first`) has these leaves."""
+        return Batch(self, size, first, first_leaves, targets, self.padding.max_length(bucket_limit))
+
     def fill(self, samples, rows, bucket_limit=None, given_lengths=None):
         """The batch of `rows` (each a list of leaves, of sample indices `samples`),
         padded into arrays allocated with `kpipe.empty` (the slot). `given_lengths`: the
         lengths the user gave for these samples, checked against them."""
-        p = self.padding
-        out = []
-        real = None
-        for k, ref in enumerate(rows[0]):
-            column = [row[k] for row in rows]
-            _check_column(column, samples, ref, self.paths[k], self.name, self.padded[k])
-            if not self.padded[k]:
-                batch = _alloc.empty((len(rows),) + ref.shape, ref.dtype)
-                for r, leaf in enumerate(column):
-                    batch[r] = leaf
-                out.append(batch)
-                continue
-            lengths = [leaf.shape[0] for leaf in column]
-            if k == self.length_leaf and given_lengths is not None:
-                for j, n, given in zip(samples, lengths, given_lengths):
-                    if n != given:
-                        raise BatchStructureError(
-                            f"Sample {j} of `{self.name}` has {self.paths[k]} of length {n}, but `lengths` gave "
-                            f"{given} for it. Give from_samples lengths that match the samples (or lengths=None "
-                            "to measure them).")
-            target = p.target(max(lengths), bucket_limit)
-            limit = p.max_length(bucket_limit)
-            if limit is not None and p.too_long != "truncate":
-                for j, n in zip(samples, lengths):
-                    if n > limit:
-                        raise BatchStructureError(
-                            f"Sample {j} of `{self.name}` has {self.paths[k]} of length {n}, longer than the "
-                            f"padded length {limit}. Give Padding(too_long='truncate') to cut it, or "
-                            "too_long='drop' to leave such samples out, or a larger length.")
-            batch = _alloc.empty((len(rows), target) + ref.shape[1:], ref.dtype)
-            pad = self.values[k]
-            used = []
-            for r, leaf in enumerate(column):
-                n = min(leaf.shape[0], target)
-                if p.side == "right":
-                    batch[r, :n] = leaf[:n]
-                    batch[r, n:] = pad
-                else:
-                    batch[r, target - n:] = leaf[leaf.shape[0] - n:]
-                    batch[r, :target - n] = pad
-                used.append(n)
-            if k == self.length_leaf:
-                real = (used, target)
-            out.append(batch)
-        tree = _tree.unflatten(self.treedef, out)
-        if p.mask is not None or p.lengths is not None:
-            self._add_extra(tree, *real)
-        return tree
+        batch = self.batch(len(rows), samples[0], rows[0], self.targets(bucket_limit, rows), bucket_limit)
+        for r, (j, row) in enumerate(zip(samples, rows)):
+            batch.put(r, j, row, None if given_lengths is None else given_lengths[r])
+        return batch.finish()
 
-    def _add_extra(self, tree, used, target):
-        p = self.padding
+
+class Batch:
+    """One padded batch being written: its arrays allocated at their final shapes with
+    `kpipe.empty` (the slot), each sample written into its row by `put` as it is read."""
+
+    def __init__(self, plan, size, first, first_leaves, targets, limit):
+        self.plan, self.first, self.targets, self.limit = plan, first, targets, limit
+        self.refs = [(leaf.shape, leaf.dtype) for leaf in first_leaves]
+        self.out = [_alloc.empty((size, t) + shape[1:] if t is not None else (size,) + shape, dtype)
+                    for t, (shape, dtype) in zip(targets, self.refs)]
+        self.used = [0] * size  # the length leaf's real length per row
+
+    def put(self, r, j, leaves, given=None):
+        """Writes sample `j`'s `leaves` into row `r` (its length checked against `given`)."""
+        plan, p = self.plan, self.plan.padding
+        for k, leaf in enumerate(leaves):
+            shape, dtype = self.refs[k]
+            target, out = self.targets[k], self.out[k]
+            padded = target is not None
+            if leaf.dtype != dtype or leaf.ndim != len(shape) or leaf.shape[padded:] != shape[padded:]:
+                what = "its first axis padded" if padded else "not padded: name it in Padding(leaves=...) to pad it"
+                raise BatchStructureError(
+                    f"Sample {j} of `{plan.name}` has {plan.paths[k]} with shape {leaf.shape} and dtype {leaf.dtype}, "
+                    f"but sample {self.first} of the same batch had {shape} and {dtype} ({what}). Samples must agree "
+                    "in dtype, rank and every axis but the padded first one: cast or reshape them in __getitem__.")
+            if not padded:
+                out[r] = leaf
+                continue
+            n = leaf.shape[0]
+            if k == plan.length_leaf and given is not None and n != given:
+                raise BatchStructureError(
+                    f"Sample {j} of `{plan.name}` has {plan.paths[k]} of length {n}, but `lengths` gave {given} for "
+                    "it. Give from_samples lengths that match the samples (or lengths=None to measure them).")
+            if self.limit is not None and n > self.limit and p.too_long != "truncate":
+                raise BatchStructureError(
+                    f"Sample {j} of `{plan.name}` has {plan.paths[k]} of length {n}, longer than the padded length "
+                    f"{self.limit}. Give Padding(too_long='truncate') to cut it, or too_long='drop' to leave such "
+                    "samples out, or a larger length.")
+            n = min(n, target)
+            if p.side == "right":
+                out[r, :n] = leaf[:n]
+                out[r, n:] = plan.values[k]
+            else:
+                out[r, target - n:] = leaf[leaf.shape[0] - n:]
+                out[r, :target - n] = plan.values[k]
+            if k == plan.length_leaf:
+                self.used[r] = n
+
+    def finish(self):
+        """The batch: the sample's structure, with the mask/lengths keys added."""
+        tree = _tree.unflatten(self.plan.treedef, self.out)
+        p = self.plan.padding
+        if p.mask is None and p.lengths is None:
+            return tree
         into = tree if isinstance(tree, dict) else tree[0]
+        target = self.targets[self.plan.length_leaf]
         if p.mask is not None:
-            mask = _alloc.empty((len(used), target), p.mask_dtype)
-            for r, n in enumerate(used):
+            mask = _alloc.empty((len(self.used), target), p.mask_dtype)
+            for r, n in enumerate(self.used):
                 if p.side == "right":
                     mask[r, :n], mask[r, n:] = 1, 0
                 else:
                     mask[r, target - n:], mask[r, :target - n] = 1, 0
             into[p.mask] = mask
         if p.lengths is not None:
-            lengths = _alloc.empty((len(used),), np.int32)
-            lengths[:] = used
+            lengths = _alloc.empty((len(self.used),), np.int32)
+            lengths[:] = self.used
             into[p.lengths] = lengths
+        return tree
 
 
 def _extra_dict(treedef, name):
@@ -276,18 +316,6 @@ def _extra_dict(treedef, name):
         f"`Padding(mask=...)` / `Padding(lengths=...)` add a key to a dict, but samples of `{name}` are "
         f"{_tree.describe(treedef)}. Return a dict sample ({{'ids': ..., 'label': ...}}) or "
         "(inputs_dict, targets), or leave mask/lengths out (Embedding(mask_zero=True) masks by value).")
-
-
-def _check_column(column, samples, ref, path, name, padded):
-    """Every sample's leaf agrees with the first one's in dtype, rank and (but for a padded
-    leaf's first axis) shape: a named error naming both samples otherwise."""
-    for j, leaf in zip(samples[1:], column[1:]):
-        if leaf.dtype != ref.dtype or leaf.ndim != ref.ndim or leaf.shape[padded:] != ref.shape[padded:]:
-            what = "its first axis padded" if padded else "not padded: name it in Padding(leaves=...) to pad it"
-            raise BatchStructureError(
-                f"Sample {j} of `{name}` has {path} with shape {leaf.shape} and dtype {leaf.dtype}, but sample "
-                f"{samples[0]} of the same batch had {ref.shape} and {ref.dtype} ({what}). Samples must agree in "
-                "dtype, rank and every axis but the padded first one: cast or reshape them in __getitem__.")
 
 
 def as_leaf(value):

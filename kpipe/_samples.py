@@ -164,24 +164,30 @@ class SampleBatches:
         samples = samples.tolist()
         if self.collate is not None:
             return self.collate([self.dataset[j] for j in samples])
-        rows, treedef = [], None
-        for j in samples:
-            sample = self.dataset[j]
-            if treedef is None:
-                treedef, leaves, _ = _tree.flatten(sample, what="sample")
-                leaves_of = _leaves_of(treedef)
-                if self._pad is None or self._pad.treedef != treedef:
-                    self._pad = _padding.Plan(self.padding, treedef, leaves, _name(self.dataset))
-            else:
+        limit = self.buckets.limit(bucket) if self.buckets is not None else None
+        given = None if self.lengths is None else self.lengths[samples].tolist()
+        first = self.dataset[samples[0]]
+        treedef, leaves, _ = _tree.flatten(first, what="sample")
+        if self._pad is None or self._pad.treedef != treedef:
+            self._pad = _padding.Plan(self.padding, treedef, leaves, _name(self.dataset))
+        targets = self._pad.targets(limit, given=given)
+        batch = None if targets is None else self._pad.batch(len(samples), samples[0], leaves, targets, limit)
+        rows, leaves_of = [], _leaves_of(treedef)
+        for r, j in enumerate(samples):
+            if r:
+                sample = self.dataset[j]
                 leaves = leaves_of(sample)
                 if leaves is None:
                     raise _structure_error(self.dataset, j, sample, samples[0], treedef)
                 leaves = [_padding.as_leaf(v) for v in leaves]
-            rows.append(leaves)
-            sample = leaves = None
-        limit = self.buckets.limit(bucket) if self.buckets is not None else None
-        given = None if self.lengths is None else self.lengths[samples].tolist()
-        return self._pad.fill(samples, rows, limit, given)
+            if batch is None:  # (the padded lengths are known once every sample is read)
+                rows.append(leaves)
+            else:  # (written now, and dropped before the next sample is read: see the NOTE)
+                batch.put(r, j, leaves, None if given is None else given[r])
+            first = sample = leaves = None
+        if batch is None:
+            return self._pad.fill(samples, rows, limit, given)
+        return batch.finish()
 
     def _stacked(self, samples):
         first = self.dataset[samples[0]]

@@ -80,3 +80,20 @@ def pad_right(samples):
     for r, (row, _) in enumerate(samples):
         ids[r, :len(row)] = row
     return ids, np.array([label for _, label in samples]), np.full(len(samples), os.getpid())
+
+
+class Watched(Tokens):
+    """Tokens that note, at each `__getitem__`, which earlier samples' ids are still alive
+    (a weak reference each)."""
+
+    def __init__(self, lengths):
+        super().__init__(lengths)
+        self.alive_at_load, self._refs = [], []
+
+    def __getitem__(self, j):
+        import weakref
+
+        self.alive_at_load.append([k for k, ref in self._refs if ref() is not None])
+        ids, label = super().__getitem__(j)
+        self._refs.append((j, weakref.ref(ids)))
+        return ids, label

@@ -16,7 +16,7 @@ import tensorflow as tf
 import kpipe
 from kpipe import _samples
 from kpipe.errors import BatchStructureError
-from _varlen_datasets import Frames, Pids, Tokens, pad_right, token_lengths
+from _varlen_datasets import Frames, Pids, Tokens, Watched, pad_right, token_lengths
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -144,6 +144,17 @@ def test_padded_batches_and_their_mask_are_written_in_the_slot_without_a_copy():
         del batch, alloc
     finally:
         segment.close()
+
+
+@pytest.mark.parametrize("padding, lengths, streamed", [
+    (kpipe.Padding(8, too_long="truncate"), False, True), (kpipe.Padding(), True, True), (kpipe.Padding(), False, False)],
+    ids=["fixed-length", "longest-lengths-given", "longest-measured-in-the-batch"])
+def test_samples_are_written_as_read_where_the_padded_length_is_known_before(padding, lengths, streamed):
+    ds = Watched([3, 9, 4, 6])
+    given = dict(lengths=ds.lengths) if lengths else {}
+    batch = _plan(ds, 4, padding=padding, **given)[(0, 0)]
+    assert ds.alive_at_load == ([[]] * 4 if streamed else [[], [0], [0, 1], [0, 1, 2]])
+    assert batch[0].shape == (4, 8 if padding.length == 8 else 9)
 
 
 # ------------------------------------------------------------------ bucket parity
