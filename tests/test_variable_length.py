@@ -157,6 +157,17 @@ def test_samples_are_written_as_read_where_the_padded_length_is_known_before(pad
     assert batch[0].shape == (4, 8 if padding.length == 8 else 9)
 
 
+def test_workers_do_not_import_tensorflow_for_padded_and_bucketed_batches(no_leaks):
+    ds = Tokens(token_lengths(12, seed=14), dict_samples=True)
+    with kpipe.ProcessLoader.from_samples(ds, 4, buckets=kpipe.Buckets([10]), padding=kpipe.Padding(mask="mask"),
+                                          workers=1) as loader:
+        pid = loader.stats()["pids"][0]
+        loader[0]
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read()
+    assert "tensorflow" not in maps and "_pywrap" not in maps and os.getpid() != pid
+
+
 # ------------------------------------------------------------------ bucket parity
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("pad_to_boundary, drop", [(False, False), (True, True)], ids=["longest", "boundary-drop"])
