@@ -18,15 +18,16 @@ the pass. Run: `python scripts/bench_varlen.py [--smoke] [--workers 2] [--json o
 
 Measured (issue 46's session, three runs of `--workers 2 --epochs 5`, passes interleaved;
 a 2-core machine shared with five other sessions, load average 5-10, so the figures move
-between runs; torch and grain not installed there): kpipe / bare processes 0.32x, 0.61x,
+between runs; torch and grain not installed there; each list sorted): kpipe / bare 0.32x, 0.61x,
 0.67x on text (small batches: the loader's per-batch handoff -- the same for a
 hand-written PyDataset padding into `kpipe.empty` -- is what the bare row does not pay;
 kpipe's padding itself costs ~60 us of ~2 ms per batch) and 0.80x, 1.04x, 1.08x on
 audio; kpipe / tf.data `bucket_by_sequence_length` 1.17x, 3.68x, 4.72x on text and
-0.88x, 0.70x, 1.11x on audio (tf.data's threads skip the cross-process copy of 350 KB
+0.70x, 0.88x, 1.11x on audio (tf.data's threads skip the cross-process copy of 350 KB
 waveforms). Padding waste with the buckets: 1.19 (text) and 1.13 (audio), against 2.93
-and 1.62 for plain shuffled batches. The issue's targets (>= 0.9x bare, >= 1.5x the best
-peer) are met on neither workload in every run here; measure on a quiet machine.
+and 1.62 for plain shuffled batches. Of the issue's targets, >= 0.9x bare was met on audio in two
+runs of three and never on text, >= 1.5x the best peer on text in two runs and never on
+audio; measure on a quiet machine.
 """
 
 import argparse
