@@ -454,7 +454,8 @@ def test_masking_trains_the_same_weights_from_kpipe_padding_and_tf_padded_batch(
     plain = model()
     plain.fit(source.apply(tf.data.experimental.assert_cardinality(4)), epochs=2, verbose=0, shuffle=False)
     got = model()
-    with kpipe.ProcessLoader.from_samples(Frames(ds.lengths, column_targets=True), 6, padding=kpipe.Padding(), workers=1) as loader:
+    targets = Frames(ds.lengths, column_targets=True)
+    with kpipe.ProcessLoader.from_samples(targets, 6, padding=kpipe.Padding(), workers=1) as loader:
         got.fit(loader, epochs=2, verbose=0, shuffle=False)
     for a, b in zip(got.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
