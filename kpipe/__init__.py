@@ -7,6 +7,7 @@ Public API (everything else lives in private `_` modules):
 * `kpipe.fit_generator` -- the Keras 2 `fit_generator` signature on top of it.
 * `kpipe.worker_info` / `kpipe.WorkerInfo` -- inside a worker: its id and seed.
 * `kpipe.empty` -- a batch array allocated directly in the worker's shared memory.
+* `kpipe.Padding` / `kpipe.Buckets` -- variable-length samples in `ProcessLoader.from_samples`.
 * `kpipe.data` -- tf.data sources and pipelines.
 * `kpipe.distribute` -- strategies, sharding, the large-minibatch recipe, launcher.
 * `kpipe.callbacks` -- `InputProfiler`, `Warmup`.
@@ -24,6 +25,8 @@ _compat.check_versions()
 
 from kpipe import _lazy  # noqa: E402
 from kpipe._engine._alloc import empty  # noqa: E402
+from kpipe._buckets import Buckets  # noqa: E402
+from kpipe._padding import Padding  # noqa: E402
 from kpipe._engine.worker_info import WorkerInfo, worker_info  # noqa: E402
 from kpipe._compat import IncompatibleVersionError  # noqa: E402
 from kpipe.errors import (  # noqa: E402
@@ -48,10 +51,12 @@ _LAZY_MODULES = ("data", "distribute", "callbacks")
 __all__ = [
     "BatchStructureError",
     "BatchTimeoutError",
+    "Buckets",
     "DatasetPicklingError",
     "IncompatibleVersionError",
     "LoaderClosedError",
     "LoaderError",
+    "Padding",
     "ProcessLoader",
     "RayWorkers",
     "WorkerDiedError",

@@ -32,15 +32,35 @@ at a pass end to reshuffle, and the order `fit(shuffle=...)` chooses for a pass 
 in `kpipe/_order.py`) is a sample order: the loader keeps the batches of a keyed dataset
 in order and shuffles the samples instead. Samples of
 one batch must agree in structure, dtype and shape (a named error otherwise).
+
+Variable-length samples take three options, all built into the same slot:
+
+    padding=kpipe.Padding(...)   each leaf padded along its first axis (`kpipe/_padding.py`)
+    buckets=kpipe.Buckets(...)   the pass's batches group samples of similar length
+                                 (`kpipe/_buckets.py`); padding defaults to Padding()
+    collate=f                    f(list of samples) -> the batch, run in the worker; its
+                                 arrays are copied into the slot (or made there with
+                                 `kpipe.empty`), as any `__getitem__`'s are
+
+Lengths (`lengths=`: an array of `len(dataset)` ints, or a function of the index called
+once per sample when the loader is built) let the plan avoid loading samples: buckets
+and `Padding(too_long="drop")` need every length before a pass, and without `lengths`
+each sample is read once, in the main process, when the loader is built to measure it
+(the first padded leaf's first axis). Given lengths are checked against the samples as
+they are padded (a named error when they disagree; a collate function sees the samples
+as they are).
 """
 
 import os
+import warnings
 
 import numpy as np
 
-from kpipe import _args
+from kpipe import _args, _buckets, _padding
 from kpipe._engine import _alloc, _tree
 from kpipe.errors import BatchStructureError
+
+_OPTIONS = ("padding", "buckets", "lengths", "collate")
 
 
 class SampleBatches:
@@ -55,28 +75,49 @@ class SampleBatches:
         seed: The shuffle's seed.
         drop_remainder: Leave out the last `n % batch_size` samples of each pass (a
             smaller last batch otherwise).
+        padding: A `kpipe.Padding`, or None (samples stacked: one shape per batch).
+        buckets: A `kpipe.Buckets`, or None.
+        lengths: The samples' lengths (an int array), or None.
+        collate: A function `list of samples -> batch`, or None.
+        pool: The sample indices a pass reads (None: all; fewer after `too_long="drop"`).
     """
 
     _kpipe_keyed_by_pass = True  # the loader gives __getitem__ `(pass, batch)` keys
 
-    def __init__(self, dataset, batch_size, *, shuffle, seed, drop_remainder):
+    def __init__(self, dataset, batch_size, *, shuffle, seed, drop_remainder, padding=None, buckets=None,
+                 lengths=None, collate=None, pool=None):
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.drop_remainder = drop_remainder
+        self.padding, self.buckets, self.lengths, self.collate, self.pool = padding, buckets, lengths, collate, pool
+        self._count = None if buckets is None else buckets.count(self._pool_lengths(), batch_size, drop_remainder)
         self._order = (None, None)  # (pass, order) of the last pass a batch came from
+        self._plan = (None, None)  # (pass, buckets' batches) likewise
+        self._pad = None  # the padding `_padding.Plan` of the samples' structure
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k != "_order"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_order", "_plan", "_pad")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _order=(None, None))
+        self.__dict__.update(state, _order=(None, None), _plan=(None, None), _pad=None)
+
+    @property
+    def kpipe_varying_shapes(self):
+        """Whether batches' inner sizes vary (padding, collate): `as_dataset()`'s spec
+        leaves them None."""
+        return self.padding is not None or self.collate is not None
 
     def num_samples(self):
-        return len(self.dataset)
+        return len(self.dataset) if self.pool is None else len(self.pool)
+
+    def _pool_lengths(self):
+        return self.lengths if self.pool is None else self.lengths[self.pool]
 
     def __len__(self):
+        if self._count is not None:
+            return self._count
         n = self.num_samples()
         return n // self.batch_size if self.drop_remainder else -(-n // self.batch_size)
 
@@ -88,22 +129,67 @@ class SampleBatches:
         if self._order[0] != (pass_, seed):
             n = self.num_samples()
             order = np.random.default_rng([seed, pass_]).permutation(n) if seed is not None else np.arange(n)
+            if self.pool is not None:
+                order = self.pool[order]
             self._order = ((pass_, seed), order)
         return self._order[1]
 
-    def samples(self, key):
-        """The sample indices of batch `key`: `(pass, batch, seed)` as the loader gives it
-        (its order of that pass: `seed` None is in order), `(pass, batch)` or a batch of
-        pass 0 (this object's own order)."""
+    def batch(self, key):
+        """`(bucket, sample indices)` of batch `key`: `(pass, batch, seed)` as the loader
+        gives it (its order of that pass: `seed` None is in order), `(pass, batch)` or a
+        batch of pass 0 (this object's own order); bucket None without buckets."""
         if not isinstance(key, tuple):
             key = (0, key)
         pass_, b, seed = key if len(key) == 3 else (*key, False)
         if not 0 <= b < len(self):
             raise IndexError(f"batch {b} is out of range for {len(self)} batches of {self.batch_size} samples")
-        return self.order(pass_, seed)[b * self.batch_size:(b + 1) * self.batch_size]
+        order = self.order(pass_, seed)
+        if self.buckets is None:
+            return None, order[b * self.batch_size:(b + 1) * self.batch_size]
+        if self._plan[0] != self._order[0]:
+            seed = self._order[0][1]
+            rng = np.random.default_rng([seed, pass_, 1]) if seed is not None else None
+            plan = self.buckets.plan(order, self.lengths, self.batch_size, self.drop_remainder, rng)
+            self._plan = (self._order[0], plan)
+        return self._plan[1][b]
+
+    def samples(self, key):
+        """The sample indices of batch `key` (see `batch`)."""
+        return self.batch(key)[1]
 
     def __getitem__(self, key):
-        samples = self.samples(key).tolist()
+        if self.padding is None and self.collate is None:
+            return self._stacked(self.samples(key).tolist())
+        bucket, samples = self.batch(key)
+        samples = samples.tolist()
+        if self.collate is not None:
+            return self.collate([self.dataset[j] for j in samples])
+        limit = self.buckets.limit(bucket) if self.buckets is not None else None
+        given = None if self.lengths is None else self.lengths[samples].tolist()
+        first = self.dataset[samples[0]]
+        treedef, leaves, _ = _tree.flatten(first, what="sample")
+        if self._pad is None or self._pad.treedef != treedef:
+            self._pad = _padding.Plan(self.padding, treedef, leaves, _name(self.dataset))
+        targets = self._pad.targets(limit, given=given)
+        batch = None if targets is None else self._pad.batch(len(samples), samples[0], leaves, targets, limit)
+        rows, leaves_of = [], _leaves_of(treedef)
+        for r, j in enumerate(samples):
+            if r:
+                sample = self.dataset[j]
+                leaves = leaves_of(sample)
+                if leaves is None:
+                    raise _structure_error(self.dataset, j, sample, samples[0], treedef)
+                leaves = [_padding.as_leaf(v) for v in leaves]
+            if batch is None:  # (the padded lengths are known once every sample is read)
+                rows.append(leaves)
+            else:  # (written now, and dropped before the next sample is read: see the NOTE)
+                batch.put(r, j, leaves, None if given is None else given[r])
+            first = sample = leaves = None
+        if batch is None:
+            return self._pad.fill(samples, rows, limit, given)
+        return batch.finish()
+
+    def _stacked(self, samples):
         first = self.dataset[samples[0]]
         treedef, leaves, paths = _tree.flatten(first, what="sample")
         batch = [_alloc.empty((len(samples),) + leaf.shape, leaf.dtype) for leaf in leaves]
@@ -117,10 +203,7 @@ class SampleBatches:
             sample = self.dataset[j]
             values = leaves_of(sample)
             if values is None:
-                raise BatchStructureError(
-                    f"Sample {j} of `{_name(self.dataset)}` has structure "
-                    f"{_tree.describe(_tree.flatten(sample, what='sample')[0])}, but sample {samples[0]} of the "
-                    f"same batch had {_tree.describe(treedef)}. Every sample must have the same structure.")
+                raise _structure_error(self.dataset, j, sample, samples[0], treedef)
             for (path, out, shape, dtype), value in zip(rows, values):
                 # (NumPy scalars have a shape and dtype already: no array made for a label)
                 leaf = value if type(value) is np.ndarray or isinstance(value, np.generic) else np.asarray(value)
@@ -129,11 +212,19 @@ class SampleBatches:
                         f"Sample {j} of `{_name(self.dataset)}` has {path} with shape {leaf.shape} and dtype "
                         f"{leaf.dtype}, but sample {samples[0]} of the same batch had {shape} and "
                         f"{dtype}. Samples are stacked into one batch array: give them one shape and dtype "
-                        "in __getitem__ (resize, crop or pad them), or batch them yourself in a PyDataset.")
+                        "in __getitem__ (resize, crop or pad them: from_samples(padding=kpipe.Padding())), "
+                        "or batch them yourself in a PyDataset.")
                 out[row] = leaf
             # (drop this sample before the next is made: its memory is then reused for it)
             sample = values = value = leaf = None
         return _tree.unflatten(treedef, batch)
+
+
+def _structure_error(dataset, j, sample, first, treedef):
+    return BatchStructureError(
+        f"Sample {j} of `{_name(dataset)}` has structure "
+        f"{_tree.describe(_tree.flatten(sample, what='sample')[0])}, but sample {first} of the "
+        f"same batch had {_tree.describe(treedef)}. Every sample must have the same structure.")
 
 
 def _leaves_of(treedef):
@@ -191,21 +282,98 @@ class _SampleBatchesWithHooks(SampleBatches):
             hook()
 
 
-def for_loader(dataset, batch_size, *, shuffle, seed, drop_remainder, has_hooks):
+def for_loader(dataset, batch_size, *, shuffle, seed, drop_remainder, has_hooks, options=None):
     """The `SampleBatches` of `ProcessLoader.from_samples(...)`, its arguments checked (a
-    random seed for None); the dataset's own epoch hooks (`has_hooks`) are passed on."""
+    random seed for None); the dataset's own epoch hooks (`has_hooks`) are passed on.
+    `options`: the from_samples keyword arguments; the variable-length ones (`padding`,
+    `buckets`, `lengths`, `collate`: the NOTE) are taken out of it."""
+    options = {} if options is None else options
+    padding, buckets, lengths, collate = (options.pop(k, None) for k in _OPTIONS)
     batch_size = _args.check_int("batch_size", batch_size, 1, "It is the number of samples per batch.")
     _args.check_dataset(dataset)
     if not hasattr(dataset, "__len__"):
         raise TypeError(f"`dataset` must have __len__ (its number of samples) for from_samples. Received: "
                         f"{_name(dataset)}. An infinite dataset is read through a PyDataset of batches.")
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else _args.check_int("seed", seed, 0, "")
+    padding, buckets, collate = _check_options(padding, buckets, collate)
+    pool = None
+    if lengths is not None or buckets is not None or (padding is not None and padding.too_long == "drop"):
+        lengths, pool = _lengths_and_pool(dataset, lengths, padding, buckets)
     cls = _SampleBatchesWithHooks if has_hooks else SampleBatches
-    batches = cls(dataset, batch_size, shuffle=bool(shuffle), seed=seed, drop_remainder=bool(drop_remainder))
+    batches = cls(dataset, batch_size, shuffle=bool(shuffle), seed=seed, drop_remainder=bool(drop_remainder),
+                  padding=padding, buckets=buckets, lengths=lengths, collate=collate, pool=pool)
     if len(batches) == 0:
         raise ValueError(f"`{_name(dataset)}` has {batches.num_samples()} samples, fewer than batch_size={batch_size} "
                          "with drop_remainder=True: no batch. Use a smaller batch_size.")
     return batches
+
+
+def _check_options(padding, buckets, collate):
+    if padding is not None and not isinstance(padding, _padding.Padding):
+        raise TypeError(f"`padding` must be a kpipe.Padding or None. Received: padding={padding!r}.")
+    if buckets is not None and not isinstance(buckets, _buckets.Buckets):
+        raise TypeError(f"`buckets` must be a kpipe.Buckets or None. Received: buckets={buckets!r}.")
+    if collate is not None and not callable(collate):
+        raise TypeError(f"`collate` must be a function (list of samples -> batch). Received: collate={collate!r}.")
+    if collate is not None and padding is not None:
+        raise ValueError("Give `padding` or `collate`, not both: a collate function builds the whole batch. "
+                         f"Received: padding={padding!r}, collate={collate!r}.")
+    if buckets is not None and padding is None and collate is None:
+        padding = _padding.Padding()
+    return padding, buckets, collate
+
+
+def _lengths_and_pool(dataset, lengths, padding, buckets):
+    """The samples' lengths (given, or measured by reading each sample once) and the
+    indices a pass reads: all, or those not too long with `Padding(too_long="drop")`
+    (counted by a warning). A sample too long for "raise" is refused here already."""
+    n = len(dataset)
+    if lengths is None:
+        lengths = _measure(dataset, padding)
+    else:
+        if callable(lengths):
+            lengths = [lengths(j) for j in range(n)]
+        given = lengths
+        lengths = np.asarray(given)
+        if lengths.shape != (n,) or lengths.dtype.kind not in "iu" or (n and lengths.min() < 0):
+            raise ValueError(f"`lengths` must give one int >= 0 per sample ({n} for `{_name(dataset)}`), as an array "
+                             f"or a function of the index. Received: {_short(given)} (shape {lengths.shape}, dtype "
+                             f"{lengths.dtype}).")
+        lengths = lengths.astype(np.int64)
+    limit = None if padding is None else padding.max_length(None if buckets is None else buckets.max_length())
+    if limit is None or padding.too_long == "truncate" or not (lengths > limit).any():
+        return lengths, None
+    long = np.flatnonzero(lengths > limit)
+    if padding.too_long == "raise":
+        raise BatchStructureError(
+            f"Sample {long[0]} of `{_name(dataset)}` has length {lengths[long[0]]}, longer than the padded length "
+            f"{limit} ({len(long)} of {n} samples are). Give Padding(too_long='truncate') to cut them, or "
+            "too_long='drop' to leave them out, or a larger length.")
+    warnings.warn(f"from_samples: {len(long)} of {n} samples of `{_name(dataset)}` are longer than {limit} and are left "
+                  "out of every pass (Padding(too_long='drop')).", stacklevel=4)
+    return lengths, np.setdiff1d(np.arange(n), long)
+
+
+def _measure(dataset, padding):
+    """Every sample's length, each read once: the first axis of its first padded leaf."""
+    if not len(dataset):
+        return np.empty(0, np.int64)
+    sample = dataset[0]
+    treedef, leaves, _ = _tree.flatten(sample, what="sample")
+    k = _padding.Plan(padding or _padding.Padding(), treedef, leaves, _name(dataset)).length_leaf
+    leaves_of, lengths = _leaves_of(treedef), np.empty(len(dataset), np.int64)
+    for j in range(len(dataset)):
+        sample = dataset[j] if j else sample
+        values = leaves_of(sample)
+        if values is None:
+            raise _structure_error(dataset, j, sample, 0, treedef)
+        lengths[j] = np.shape(values[k])[0]
+    return lengths
+
+
+def _short(value, limit=80):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _name(dataset):

@@ -57,9 +57,11 @@ def _signature(reader, num_batches):
     if "none" in repr(treedef):
         raise LoaderError("as_dataset() cannot express `None` entries of a batch; drop them in __getitem__.")
     second = _tree.flatten(reader.peek(1))[1] if num_batches is None or num_batches > 1 else leaves
+    varying = getattr(reader.dataset, "kpipe_varying_shapes", False)  # from_samples padding/collate: any inner size
     specs = []
     for a, b in zip(leaves, second):
-        shape = [None] + [d if d == e else None for d, e in zip(a.shape[1:], b.shape[1:])] if a.ndim else []
+        inner = [d if d == e and not varying else None for d, e in zip(a.shape[1:], b.shape[1:])]
+        shape = [None] + inner if a.ndim else []
         specs.append(tf.TensorSpec(shape, tf.as_dtype(a.dtype)))
     return _lists_to_tuples(_tree.unflatten(treedef, specs))
 

@@ -270,12 +270,12 @@ class ProcessLoader(keras.utils.PyDataset):
             seed: As `ProcessLoader`'s, also of the sample order. Defaults to None.
             drop_remainder: Leave out the last `len(dataset) % batch_size` samples of
                 each pass instead of a smaller last batch. Defaults to False.
-            **kwargs: Any other `ProcessLoader` argument (`workers`, `num_shards`...).
+            **kwargs: `padding` (`kpipe.Padding`), `buckets` (`kpipe.Buckets`), `lengths`, `collate`:
+                variable-length samples (NOTE in `kpipe/_samples.py`); any `ProcessLoader` argument.
 
         Raises:
             ValueError, TypeError: bad arguments (naming them), or an empty dataset.
-            kpipe.BatchStructureError: samples of one batch differ in structure, dtype
-                or shape.
+            kpipe.BatchStructureError: samples of one batch differ in structure, dtype or shape.
 
         Example:
 
@@ -291,7 +291,7 @@ class ProcessLoader(keras.utils.PyDataset):
         ((2, 3), [0, 1])
         """
         batches = _samples.for_loader(dataset, batch_size, shuffle=bool(shuffle), seed=seed, drop_remainder=drop_remainder,
-                                      has_hooks=_dataset_api.has_hooks(dataset))
+                                      has_hooks=_dataset_api.has_hooks(dataset), options=kwargs)
         return cls(batches, shuffle=shuffle, seed=seed, **kwargs)
 
     @property
