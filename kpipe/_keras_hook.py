@@ -329,6 +329,11 @@ def _make_adapter(base):
                 batches = [self._standardize_batch(source.peek(i)) for i in range(count)]
                 self._output_signature = data_adapter_utils.get_tensor_spec(batches)
                 del batches
+                if getattr(getattr(source, "dataset", None), "kpipe_varying_shapes", False):
+                    # from_samples padding/collate: two batches do not fix an inner size
+                    self._output_signature = tf.nest.map_structure(
+                        lambda s: tf.TensorSpec(s.shape[:1].concatenate([None] * (s.shape.rank - 1)), s.dtype),
+                        self._output_signature)
             ds = tf.data.Dataset.from_generator(self._get_iterator, output_signature=self._output_signature)
             # The loader's workers load ahead: no tf.data prefetch on top (as Keras does for
             # its own enqueuer), so the generator is pulled once per step and nothing is

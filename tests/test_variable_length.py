@@ -459,3 +459,32 @@ def test_masking_trains_the_same_weights_from_kpipe_padding_and_tf_padded_batch(
         got.fit(loader, epochs=2, verbose=0, shuffle=False)
     for a, b in zip(got.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+
+def test_fit_takes_padded_batches_whose_length_changes_after_the_first_two(no_leaks):
+    # Keras < 3.7 reads kpipe's loaders through the adapter's from_generator, whose spec
+    # was merged from batches 0 and 1 only: both (2, 5) here, and batch 2 (2, 9) failed.
+    ds = Frames([5, 5, 5, 5, 9, 3, 2, 7], column_targets=True)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((None, 2))
+        m = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(inputs)))
+        m.compile(keras.optimizers.SGD(0.01), "mse")
+        return m
+
+    with kpipe.ProcessLoader.from_samples(ds, 2, padding=kpipe.Padding(), workers=1) as loader:
+        batches = [tuple(np.array(a) for a in loader[i]) for i in range(len(loader))]
+        assert [x.shape[:2] for x, _ in batches] == [(2, 5), (2, 5), (2, 9), (2, 7)]
+        got = model()
+        history = got.fit(loader, epochs=2, verbose=0, shuffle=False)
+    # (plain Keras's own PyDataset adapter merges its spec from two batches too: the same
+    # batches go to it as a tf.data dataset of unknown inner sizes)
+    specs = tuple(tf.TensorSpec((None,) * a.ndim, tf.as_dtype(a.dtype)) for a in batches[0])
+    plain = model()
+    plain.fit(tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=specs).apply(
+        tf.data.experimental.assert_cardinality(len(batches))), epochs=2, verbose=0, shuffle=False)
+    assert len(history.history["loss"]) == 2
+    for a, b in zip(got.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
