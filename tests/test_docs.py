@@ -269,3 +269,26 @@ def test_the_benchmark_figures_are_drawn_from_the_committed_json(tmp_path):
     for name in os.listdir(bench):
         if name.endswith(".json"):
             assert name in made_by, f"docs/bench/README.md does not say which command made {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_site_renders_in_a_headless_browser_and_search_finds_processloader(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import check_docs_browser
+    finally:
+        sys.path.pop(0)
+    missing = _docs_tools_missing()
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed in this interpreter: the site cannot be built here")
+    if not check_docs_browser.find_browser():
+        pytest.skip("no Chromium on this machine (apt-get install chromium): the browser check cannot run")
+    site = tmp_path / "site"
+    build = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "build_docs.py"), "--site-dir", str(site)],
+                           capture_output=True, text=True, timeout=280)
+    assert build.returncode == 0, build.stderr[-3000:]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "check_docs_browser.py"), str(site)],
+                          capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.count("ok  ") == 7 and "FAIL" not in proc.stdout
