@@ -292,3 +292,15 @@ def test_the_site_renders_in_a_headless_browser_and_search_finds_processloader(t
                           capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count("ok  ") == 7 and "FAIL" not in proc.stdout
+
+
+def test_the_compatibility_page_has_the_readme_tested_with_rows():
+    # the README's table is the one scripts/version_matrix.py and tests/test_compat.py keep;
+    # until it moves here (README cut to a front page), the copy must not drift from it
+    def rows(text):
+        return [line for line in text.splitlines() if re.match(r"\|\s*\d+\.\d+", line)]
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme.split("<!-- BEGIN tested-with", 1)[1].split("<!-- END tested-with", 1)[0]
+    assert rows(section) and rows(_read("compatibility.md")) == rows(section)
