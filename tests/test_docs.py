@@ -304,3 +304,32 @@ def test_the_compatibility_page_has_the_readme_tested_with_rows():
         readme = f.read()
     section = readme.split("<!-- BEGIN tested-with", 1)[1].split("<!-- END tested-with", 1)[0]
     assert rows(section) and rows(_read("compatibility.md")) == rows(section)
+
+
+def test_the_rendered_notebooks_show_each_notebook_code_as_it_is():
+    # docs/notebooks/ is written by scripts/render_notebooks.py from executed notebooks; a
+    # notebook edited without re-rendering its page fails here (tests/test_notebooks.py runs them)
+    import glob
+
+    nbformat = pytest.importorskip("nbformat")
+    notebooks = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+    assert notebooks
+    for path in notebooks:
+        name = os.path.splitext(os.path.basename(path))[0]
+        rendered = _read(os.path.join("notebooks", f"{name}.md"))
+        blocks = re.findall(r"^```py\n(.*?)\n```$", rendered, flags=re.S | re.M)
+        cells = [c.source.rstrip() for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+        assert blocks == cells, f"docs/notebooks/{name}.md is out of date: python scripts/render_notebooks.py --only {name[:2]}"
+        assert "KPIPE_SMALL=1" in rendered
+        for image in re.findall(r"\]\(([\w.-]+\.png)\)", rendered):
+            assert os.path.exists(os.path.join(DOCS, "notebooks", image)), image
+
+
+def test_code_fences_are_python_that_runs_or_marked_as_other_languages():
+    # ```py is kept for the rendered notebooks' cells (run by tests/test_notebooks.py); a page
+    # elsewhere that wrote ```py or ```python3 would slip past the block runner
+    for rel in _pages():
+        if rel.startswith("notebooks" + os.sep):
+            continue
+        for fence in re.findall(r"^\s*```(\w+)", _read(rel), flags=re.M):
+            assert fence not in ("py", "python3", "ipython", "py3"), f"docs/{rel}: use ```python (it runs) for {fence}"
