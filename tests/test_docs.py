@@ -189,6 +189,8 @@ def _page_params():
             marks.append(pytest.mark.slow)
         if "distribute.launch(" in text:
             marks.append(pytest.mark.multiworker)
+        if "RayWorkers(" in text:
+            marks.append(pytest.mark.ray)
         params.append(pytest.param(rel, marks=marks, id=rel.replace(os.sep, "/")))
     return params
 
@@ -200,6 +202,8 @@ def _skipped_params():
 
 @pytest.mark.parametrize("page", _page_params())
 def test_the_python_blocks_of_a_page_run(page, tmp_path):
+    if "RayWorkers(" in _read(page):
+        pytest.importorskip("ray", reason="the page starts Ray actors: pip install -e \".[ray]\"")
     parts = []
     for line, code, skip in python_blocks(_read(page)):
         if skip is None:
@@ -333,3 +337,43 @@ def test_code_fences_are_python_that_runs_or_marked_as_other_languages():
             continue
         for fence in re.findall(r"^\s*```(\w+)", _read(rel), flags=re.M):
             assert fence not in ("py", "python3", "ipython", "py3"), f"docs/{rel}: use ```python (it runs) for {fence}"
+
+
+def _script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"docs_{name}", os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_render_notebooks_writes_cells_outputs_and_images_without_tensorflow_noise():
+    nbformat = pytest.importorskip("nbformat")
+    render = _script("render_notebooks")
+    png = b"\x89PNG\r\n\x1a\nfake"
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# Title\n\nIntro."),
+        nbformat.v4.new_code_cell("x = 1\n\n\nprint(x)", outputs=[
+            nbformat.v4.new_output("stream", name="stderr",
+                                   text="I0000 00:00:1796599582.246087   26796 port.cc:153] oneDNN custom operations\n"),
+            nbformat.v4.new_output("stream", name="stdout", text="1\n")]),
+        nbformat.v4.new_code_cell("figure", outputs=[nbformat.v4.new_output(
+            "display_data", data={"image/png": __import__("base64").b64encode(png).decode(), "text/plain": "<Figure>"})]),
+    ])
+    text, images = render.page(nb, "01_demo", "a test machine")
+    assert text.startswith("# Title\n\nIntro.\n\n*Rendered from `notebooks/01_demo.ipynb`")
+    assert "```py\nx = 1\n\n\nprint(x)\n```\n\n```text\n1\n```" in text and "oneDNN" not in text
+    assert images == {"01_demo_1.png": png} and "![output of cell 3](01_demo_1.png)" in text
+
+
+def test_the_browser_check_finds_links_that_do_not_resolve(tmp_path):
+    check = _script("check_docs_browser")
+    (tmp_path / "guides").mkdir()
+    (tmp_path / "index.html").write_text('<h1 id="top">x</h1>')
+    page = ('<a href="../index.html#top">ok</a><a href="../index.html#gone">bad anchor</a>'
+            '<a href="missing.html">bad file</a><a href="https://example.org/">external</a><a href="#here">self</a>'
+            '<span id="here"></span>')
+    (tmp_path / "guides" / "a.html").write_text(page)
+    assert check.check_links(str(tmp_path), "guides/a.html", page) == [
+        ("../index.html#gone", "no such anchor"), ("missing.html", "no such file")]
