@@ -1,7 +1,15 @@
 """Keras callbacks: `InputProfiler` (input-wait share of each step, its per-step timeline
 as arrays, a plot and TensorBoard scalars), `Warmup` (gradual learning-rate warmup for large
 minibatches) and `BackupAndRestore` (crash-consistent, multi-worker-safe backups that resume
-every worker from the same epoch)."""
+every worker from the same epoch).
+
+Example:
+
+>>> import kpipe
+>>> kpipe.callbacks.__all__
+['BackupAndRestore', 'InputProfiler', 'Warmup']
+>>> profiler = kpipe.callbacks.InputProfiler()   # model.fit(..., callbacks=[profiler])
+"""
 
 from kpipe import _lazy
 

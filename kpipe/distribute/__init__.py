@@ -21,6 +21,14 @@ first use.
 * `pipeline_model()`, `PipelineModel` -- model parallelism: a model's layers as pipeline
   stages on several devices, trained by `fit()` with GPipe micro-batches;
   `PipelineGradientError` -- a loss the pipeline cannot back-propagate.
+
+Example:
+
+>>> import kpipe
+>>> kpipe.distribute.cluster_info("").num_workers          # no TF_CONFIG: one worker
+1
+>>> kpipe.distribute.scaled_learning_rate(0.1, base_batch=256, global_batch=512)
+0.2
 """
 
 from kpipe import _lazy
