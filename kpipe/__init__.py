@@ -32,6 +32,7 @@ from kpipe.errors import (  # noqa: E402
     DatasetPicklingError,
     LoaderClosedError,
     LoaderError,
+    UnsupportedBackendError,
     WorkerDiedError,
 )
 
@@ -54,6 +55,7 @@ __all__ = [
     "LoaderError",
     "ProcessLoader",
     "RayWorkers",
+    "UnsupportedBackendError",
     "WorkerDiedError",
     "WorkerInfo",
     "callbacks",

@@ -79,7 +79,7 @@ from typing import Dict, List, Optional, Sequence
 import keras
 import numpy as np
 
-from kpipe import _fit_scope, _keras_hook, _stream
+from kpipe import _backends, _fit_scope, _keras_hook, _stream
 from kpipe._keras_hook import keras_iterator
 from kpipe.callbacks import _backup_input, _backup_state
 from kpipe.distribute._chief import per_worker_path
@@ -232,7 +232,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "use save_freq='epoch'.")
         self._check_keras_restarts_passes()
         self._check_input()
-        strategy = self.model.distribute_strategy
+        strategy = _backends.strategy_of(self.model)  # jax/torch: one replica, no tf.distribute
         workers = _num_workers(strategy)
         self._retain = max(self.keep, 2) if workers > 1 else self.keep
         local = complete_backups(self.worker_dir, self._kind)
@@ -518,7 +518,7 @@ def _head(loader):
 def _steps_per_execution(model) -> int:
     value = getattr(model, "steps_per_execution", 1)
     try:
-        return int(keras.ops.convert_to_numpy(value))
+        return int(_backends.numpy_value(value))
     except Exception:  # noqa: BLE001
         return 1
 
@@ -574,6 +574,8 @@ def _check_loaders(loaders) -> List:
 
 
 def _num_workers(strategy) -> int:
+    if isinstance(strategy, _backends.NoStrategy):
+        return 1
     import tensorflow as tf
 
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
@@ -599,7 +601,7 @@ def _optimizer_step(model) -> Optional[int]:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return None
-    return int(keras.ops.convert_to_numpy(optimizer.iterations))
+    return int(_backends.numpy_value(optimizer.iterations))
 
 
 def _backup_dirs(worker_dir: str, kind: str) -> List[int]:
