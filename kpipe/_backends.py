@@ -118,8 +118,12 @@ NO_STRATEGY = NoStrategy()
 
 
 def strategy_of(model):
-    """`model.distribute_strategy` on TensorFlow; `NO_STRATEGY` on the other backends."""
-    return getattr(model, "distribute_strategy", None) or NO_STRATEGY
+    """`model.distribute_strategy` on TensorFlow; `NO_STRATEGY` on the other backends.
+
+    (Never `getattr(model, "distribute_strategy", None)` on JAX: a missing attribute on a
+    model there goes through Keras's attribute lookup, which mid-`fit()` leaves the next
+    step a donated state buffer: "Buffer has been deleted or donated".)"""
+    return model.distribute_strategy if is_tensorflow() else NO_STRATEGY
 
 
 def numpy_value(x):
