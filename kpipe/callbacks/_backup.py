@@ -442,8 +442,9 @@ class _StepGate:
         self.callback = callback
         self.last_was_real = False
 
-    def __call__(self, iterator):
-        cb = self.callback
+    def __call__(self, *args):
+        # TensorFlow: (iterator,); JAX: (state, iterator) -> (logs, state); PyTorch: (batches,)
+        iterator, cb = args[-1], self.callback
         if cb._align:  # noqa: SLF001 -- the first step of the resumed run
             for loader, seen in cb._align:  # noqa: SLF001
                 _set_keras_steps_seen(loader, seen)
@@ -451,12 +452,14 @@ class _StepGate:
         if cb._skip > 0:  # noqa: SLF001
             cb._skip -= 1  # noqa: SLF001
             self.last_was_real = False
-            if cb._read_skipped:  # noqa: SLF001 -- unshuffled arrays: drop the trained batch
+            if cb._read_skipped and not isinstance(iterator, list):  # noqa: SLF001 -- unshuffled arrays: drop the trained batch (PyTorch fetched it already)
                 next(iterator)
+            if len(args) == 2:  # JAX: the state goes on unchanged (its metrics: read at the epoch end)
+                return {}, args[0]
             return _metrics_so_far(cb.model)
         self.last_was_real = True
         cb._consumed += 1  # noqa: SLF001
-        return self.original(iterator)
+        return self.original(*args)
 
 
 def _build_metrics(model, strategy, loaders):
