@@ -1,0 +1,79 @@
+"""kpipe under `KERAS_BACKEND=jax` (issue 47): the loaders (both forms), `fit_generator`,
+validation / evaluate / predict, `BackupAndRestore` resuming mid-epoch in a new process,
+`Warmup`, `InputProfiler` and `kpipe.data` pipelines, each ending with plain Keras's weights
+on JAX (byte for byte); TensorFlow-only names raise a named error; neither the process nor
+the loader's workers import TensorFlow; `keras.distribution.DataParallel` over two host
+devices fed by a ProcessLoader. Every run is a fresh process (Keras picks its backend at
+import): tests/programs/backend_cases.py."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+import _backend_checks as checks
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.slow,
+    pytest.mark.timeout(400),
+    pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed (pip install 'kpipe[jax]')"),
+]
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    out = tmp_path_factory.mktemp("jax")
+    record, arrays = checks.run(out, "first", "jax", timeout=360)
+    assert record["backend"] == "jax"
+    return out, record, arrays
+
+
+def test_process_loader_validation_evaluate_predict_equal_plain_keras(first):
+    checks.check_loader(*first[1:])
+
+
+def test_from_samples_equals_numpy_arrays(first):
+    checks.assert_same_bytes(first[2], "samples")
+
+
+def test_fit_generator_equals_plain_fit(first):
+    checks.assert_same_bytes(first[2], "fit_generator")
+
+
+def test_warmup_ramps_as_on_plain_input(first):
+    checks.check_warmup(*first[1:])
+
+
+def test_input_profiler_measures_each_step_and_plots(first):
+    checks.check_profiler(*first[1:], steps=16)
+
+
+def test_kpipe_data_pipeline_equals_numpy_arrays(first):
+    checks.assert_same_bytes(first[2], "data")
+
+
+def test_tensorflow_only_names_raise_a_named_error(first):
+    checks.check_tf_only_errors(first[1], "jax")
+
+
+def test_no_tensorflow_in_the_process_or_the_workers(first):
+    checks.check_no_tensorflow(first[1])
+
+
+def test_backup_resumes_mid_epoch_in_a_new_process_bit_identical(first):
+    out, _, arrays = first
+    record, resumed = checks.run(out, "resume", "jax")
+    assert (record["restored_epoch"], record["restored_step"]) == (1, 10)
+    full = checks.weights(arrays, "backup/full")
+    assert [w.tobytes() for w in checks.weights(resumed, "backup/resumed")] == [w.tobytes() for w in full]
+
+
+def test_data_parallel_over_two_host_devices_equals_one_device(tmp_path):
+    record, arrays = checks.run(tmp_path, "dataparallel", "jax",
+                                env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert record["devices"] == 2
+    # the batch is split over two devices and the gradients summed: equal up to float rounding
+    np.testing.assert_allclose(record["data_parallel/loss"], record["one_device/loss"], rtol=1e-5)
+    for a, b in zip(checks.weights(arrays, "data_parallel"), checks.weights(arrays, "one_device")):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
