@@ -257,6 +257,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.model._initial_epoch = metadata["epoch"]  # noqa: SLF001 -- how Keras's callback resumes
         self._set_initial_epoch = True
         self.restored_epoch, self.restored_step = metadata["epoch"], metadata["step"]
+        if self._skip > 0 and not self._read_skipped and _backends.name() == "torch":
+            from kpipe.callbacks import _backup_torch  # torch fetches before the step gate
+
+            _backup_torch.hold_fetches(self.model, self)
         line = (f"BackupAndRestore: resuming at epoch {metadata['epoch']}, step {metadata['batch']} "
                 f"({metadata['step']} training steps done) from backup {self._dir(index)}.")
         print(line) if self.verbose else logger.info(line)
