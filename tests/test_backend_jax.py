@@ -77,3 +77,21 @@ def test_data_parallel_over_two_host_devices_equals_one_device(tmp_path):
     np.testing.assert_allclose(record["data_parallel/loss"], record["one_device/loss"], rtol=1e-5)
     for a, b in zip(checks.weights(arrays, "data_parallel"), checks.weights(arrays, "one_device")):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_keras_upstream_pydataset_tests_pass_under_jax_plain_and_through_kpipe():
+    """tests/keras_upstream (Keras's own PyDataset tests, each case plain and through a
+    ProcessLoader) in a pytest of its own under KERAS_BACKEND=jax."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           os.path.join(root, "tests", "keras_upstream")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=380)
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary

@@ -193,6 +193,13 @@ class TestPyDatasetAdapter(UpstreamTestCase):
         if dataset_type in ("jax", "torch"):
             # kpipe: upstream imports jax and torch at the top; here, where installed
             pytest.importorskip(dataset_type, reason=NOT_INSTALLED.format(dataset_type))
+            if dataset_type == "jax" and backend.backend() == "jax":
+                skip_in_kpipe(
+                    mode,
+                    "a ProcessLoader hands batches over as NumPy arrays in shared memory (a "
+                    "jax array made in a worker process cannot be shared with this one), and "
+                    "Keras's JAX iterator yields NumPy batches as NumPy, not jax.Array",
+                )
         if use_multiprocessing and shuffle:
             pytest.skip("Starting processes is slow, test fewer variants")
         if infinite and workers > 1:
