@@ -154,7 +154,8 @@ class InputProfiler(keras.callbacks.Callback):
     The measurement times `next(iterator)` where the step fetches its batch (see the NOTE
     at the top of this module); it works with `ProcessLoader`, `tf.data` datasets, plain
     `PyDataset`s and NumPy arrays, with or without a `tf.distribute` strategy, on the
-    TensorFlow backend. Validation steps are not measured. The first `skip_steps` steps
+    TensorFlow, JAX and PyTorch backends (on JAX and PyTorch it times the fetches of Keras's
+    epoch iterator: `kpipe/callbacks/_profiler_feed.py`). Validation steps are not measured. The first `skip_steps` steps
     of the first epoch (graph tracing, worker start-up) are left out of the figures unless
     nothing else was measured. Put `InputProfiler` *before* `CSVLogger` / `TensorBoard`
     in the `callbacks` list: Keras hands one `logs` dict to the callbacks in order.
