@@ -81,3 +81,10 @@ def check_no_tensorflow(record):
     assert record["tf_after_import"] is False
     assert record["tf_in_worker"] == [False, False]
     assert record["tf_after_loading"] is False
+
+
+def check_handover(record, aliases=None):
+    """A batch kept as a backend tensor after the loader moved on: its slot was not reused
+    (`aliases`: the tensor views the slot's memory, no copy)."""
+    assert record["handover/batches"] == 8 and record["handover/aliases"] == aliases
+    assert record["handover/kept_equal"] and record["handover/later_equal"]

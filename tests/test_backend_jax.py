@@ -57,6 +57,10 @@ def test_tensorflow_only_names_raise_a_named_error(first):
     checks.check_tf_only_errors(first[1], "jax")
 
 
+def test_a_batch_kept_as_a_backend_tensor_keeps_its_slot(first):
+    checks.check_handover(first[1])
+
+
 def test_no_tensorflow_in_the_process_or_the_workers(first):
     checks.check_no_tensorflow(first[1])
 

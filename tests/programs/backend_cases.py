@@ -233,6 +233,28 @@ def first(out, arrays, record):
             errors[name] = str(e)
     record["tf_only_errors"] = errors
 
+    # The hand-over: a batch made a backend tensor (on torch, `torch.as_tensor`: a view of the
+    # slot) is kept while the loader goes on through more batches than it has slots in flight.
+    with _loader(Batches(), workers=1, max_queue_size=2) as data:
+        batches = iter(data)
+        first = next(batches)[0]
+        expected = first.copy()
+        if keras.backend.backend() == "torch":
+            import torch
+
+            kept = torch.as_tensor(first)  # no copy: the tensor views the batch's slot
+            record["handover/aliases"] = kept.data_ptr() == first.__array_interface__["data"][0]
+        else:
+            kept = keras.ops.convert_to_tensor(first)
+            record["handover/aliases"] = None
+        del first
+        later = [np.asarray(x).copy() for x, _ in batches]
+        record["handover/kept_equal"] = bool(np.array_equal(keras.ops.convert_to_numpy(kept), expected))
+        record["handover/later_equal"] = all(np.array_equal(b, _data()[0][(i + 1) * BATCH:(i + 2) * BATCH])
+                                             for i, b in enumerate(later))
+        record["handover/batches"] = 1 + len(later)
+        del kept
+
     # Loader workers: no TensorFlow there either.
     with _loader(WorkerModules(), workers=1) as data:
         record["tf_in_worker"] = [bool(data[i][0][0, 0]) for i in range(2)]
