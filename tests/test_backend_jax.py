@@ -3,7 +3,8 @@ validation / evaluate / predict, `BackupAndRestore` resuming mid-epoch in a new 
 `Warmup`, `InputProfiler` and `kpipe.data` pipelines, each ending with plain Keras's weights
 on JAX (byte for byte); TensorFlow-only names raise a named error; neither the process nor
 the loader's workers import TensorFlow; `keras.distribution.DataParallel` over two host
-devices fed by a ProcessLoader. Every run is a fresh process (Keras picks its backend at
+devices fed by a ProcessLoader, and over two `jax.distributed` processes each loading its
+shard; Keras's own PyDataset tests. Every run is a fresh process (Keras picks its backend at
 import): tests/programs/backend_cases.py."""
 
 import importlib.util
@@ -99,3 +100,38 @@ def test_keras_upstream_pydataset_tests_pass_under_jax_plain_and_through_kpipe()
     summary = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+
+
+def test_two_jax_processes_each_loading_its_shard_equal_one_process(tmp_path):
+    """`jax.distributed.initialize` on 127.0.0.1, two processes, `DataParallel` over both,
+    each fed its shard by `ProcessLoader(num_shards=2, shard_index=i)`."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, os.path.join(checks.PROGRAMS, "backend_cases.py"), "--out", str(tmp_path),
+                               "--phase", "multiprocess", "--process-id", str(i), "--port", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errors]
+    (r0, a0), (r1, a1) = (checks._outputs.read(os.path.join(str(tmp_path), "multiprocess"), i) for i in range(2))
+    assert (r0["processes"], r0["devices"]) == (2, 2)
+    assert r0["multiprocess/loss"] == r1["multiprocess/loss"]  # one job, one loss
+    np.testing.assert_allclose(r0["multiprocess/loss"], r0["one_process/loss"], rtol=1e-5)
+    for a, b in zip(checks.weights(a0, "multiprocess"), checks.weights(a0, "one_process")):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(checks.weights(a0, "multiprocess"), checks.weights(a1, "multiprocess")))

@@ -7,8 +7,9 @@ same data, and through kpipe -- and keeps both final weights; the tests compare 
     python backend_cases.py --out D --phase resume       # (a new process) its resumed run
     python backend_cases.py --out D --phase dataparallel # keras.distribution.DataParallel
                                                          # (JAX, XLA_FLAGS=...device_count=2)
+    python backend_cases.py --out D --phase multiprocess --process-id I --port P  # I = 0, 1
 
-Each phase writes `_outputs.write(D/<phase>, 0, record, arrays)`.
+Each phase writes `_outputs.write(D/<phase>, I, record, arrays)` (I: the process id, else 0).
 """
 
 import argparse
@@ -298,16 +299,47 @@ def dataparallel(out, arrays, record):
         _keep(arrays, name, model.get_weights())
 
 
+def multiprocess(out, arrays, record, process_id, port):
+    """One of two JAX processes (`jax.distributed.initialize` on 127.0.0.1), each feeding
+    its shard of every pass through `ProcessLoader(num_shards=2, shard_index=process_id)`
+    to `keras.distribution.DataParallel` over both processes' devices; process 0 then trains
+    the one-process reference on the global batches (16 = the two shards' batches 2k, 2k+1)."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id, initialization_timeout=120)
+    record["processes"], record["devices"] = jax.process_count(), len(jax.devices())
+    distribution = keras.distribution.DataParallel(devices=jax.devices())
+    distribution.auto_shard_dataset = False  # each process loads its own shard
+    keras.distribution.set_distribution(distribution)
+    model = build()
+    with _loader(Batches(), workers=1, num_shards=2, shard_index=process_id) as data:
+        record["multiprocess/loss"] = model.fit(data, epochs=EPOCHS, shuffle=False, verbose=0).history["loss"]
+    _keep(arrays, "multiprocess", model.get_weights())
+    if process_id == 0:
+        keras.distribution.set_distribution(None)
+        model = build()
+        x, y = _data()
+        record["one_process/loss"] = model.fit(x, y, batch_size=2 * BATCH, epochs=EPOCHS, shuffle=False,
+                                               verbose=0).history["loss"]
+        _keep(arrays, "one_process", model.get_weights())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--phase", choices=["first", "resume", "dataparallel"], required=True)
+    parser.add_argument("--phase", choices=["first", "resume", "dataparallel", "multiprocess"], required=True)
+    parser.add_argument("--process-id", type=int, default=0, help="multiprocess: this process's index (0 or 1)")
+    parser.add_argument("--port", type=int, default=0, help="multiprocess: the coordinator's port on 127.0.0.1")
     args = parser.parse_args(argv)
     out = os.path.join(args.out, args.phase)
     os.makedirs(out, exist_ok=True)
     record, arrays = {}, {}
-    {"first": first, "resume": resume, "dataparallel": dataparallel}[args.phase](out, arrays, record)
-    _outputs.write(out, 0, record, arrays)
+    if args.phase == "multiprocess":
+        multiprocess(out, arrays, record, args.process_id, args.port)
+    else:
+        {"first": first, "resume": resume, "dataparallel": dataparallel}[args.phase](out, arrays, record)
+    _outputs.write(out, args.process_id, record, arrays)
     return 0
 
 
