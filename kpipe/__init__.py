@@ -35,6 +35,7 @@ from kpipe.errors import (  # noqa: E402
     DatasetPicklingError,
     LoaderClosedError,
     LoaderError,
+    UnsupportedBackendError,
     WorkerDiedError,
 )
 
@@ -59,6 +60,7 @@ __all__ = [
     "Padding",
     "ProcessLoader",
     "RayWorkers",
+    "UnsupportedBackendError",
     "WorkerDiedError",
     "WorkerInfo",
     "callbacks",

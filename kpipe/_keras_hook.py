@@ -47,7 +47,7 @@ import functools
 import inspect
 import weakref
 
-from kpipe import _fit_scope, _order, _stream
+from kpipe import _backends, _fit_scope, _order, _stream
 from kpipe.errors import LoaderClosedError
 
 # {id(loader): (runs, steps, each_a_call)} for the loaders of the Keras call running in this context
@@ -74,9 +74,10 @@ def install():
     if getattr(base, "_kpipe_hooked", False):
         return
     data_adapters.PyDatasetAdapter = _make_adapter(base)
-    _wrap_symbolic_build()
     _plan_calls()
-    _install_feed()
+    if _backends.is_tensorflow():  # jax/torch: no TensorFlow import (kpipe/_backends.py)
+        _wrap_symbolic_build()
+        _install_feed()
     from kpipe import _compat
 
     _compat.install_keras_fixes()  # a user's own strategy with a ProcessLoader gets them too
@@ -154,20 +155,19 @@ def install_fit_wrappers():
 
 
 def _plan_calls():
-    """Wraps the TensorFlow trainer's `fit`/`evaluate`/`predict`: a `fit` runs inside
+    """Wraps the active backend's trainer's `fit`/`evaluate`/`predict`: a `fit` runs inside
     `kpipe._fit_scope.running`, and while one runs, the adapters Keras builds for its
     ProcessLoaders (training and validation data) learn how many Keras epochs the call
     will run and how many steps each, so that a loader reads nothing ahead for an epoch
     the call will not run (its last epoch ends there)."""
-    try:
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-    except ImportError:
+    trainer = _backends.trainer_class()
+    if trainer is None:
         return
     for name in ("fit", "evaluate", "predict"):
-        original = getattr(TensorFlowTrainer, name, None)
+        original = getattr(trainer, name, None)
         if original is None or getattr(original, "_kpipe_wrapped", False):
             continue
-        setattr(TensorFlowTrainer, name, _planned(name, original))
+        setattr(trainer, name, _planned(name, original))
 
 
 def _planned(name, original):

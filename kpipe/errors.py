@@ -122,3 +122,15 @@ class LoaderClosedError(LoaderError):
     ...     print(type(e).__name__)
     LoaderClosedError
     """
+
+
+class UnsupportedBackendError(RuntimeError):
+    """A TensorFlow-only kpipe name was used while Keras runs on another backend (JAX or
+    PyTorch). The message names what to use there instead.
+
+    Example:
+
+    >>> import kpipe
+    >>> issubclass(kpipe.UnsupportedBackendError, RuntimeError)
+    True
+    """

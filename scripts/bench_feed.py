@@ -55,6 +55,8 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+if "--backend" in sys.argv[:-1]:  # Keras picks its backend at import: set it before importing Keras
+    os.environ["KERAS_BACKEND"] = sys.argv[sys.argv.index("--backend") + 1]
 
 import numpy as np  # noqa: E402
 
@@ -343,7 +345,13 @@ def main(argv=None):
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-batch breakdown of the kpipe paths")
     parser.add_argument("--small", action="store_true", help="tiny batches, 8 steps, 1 timed epoch: a smoke test, not a measurement")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"), default=keras.backend.backend(),
+                        help="Keras backend (set before Keras is imported); jax/torch compare kpipe with that "
+                             "backend's usual input (NumPy arrays; a torch DataLoader). Default: KERAS_BACKEND's")
     args = parser.parse_args(argv)
+    if args.backend != keras.backend.backend():
+        parser.error(f"--backend {args.backend}: Keras already runs on {keras.backend.backend()!r}; run the script "
+                     f"as `python scripts/bench_feed.py --backend {args.backend}` (or set KERAS_BACKEND)")
 
     sizes = _bench.parse_names(parser, "--sizes", args.sizes, _SIZES)
     rows = _bench.parse_names(parser, "--rows", args.rows, _ROWS, allow_empty=True)
@@ -356,6 +364,8 @@ def main(argv=None):
     calls = 2 if args.small else args.calls
     distinct = min(args.distinct, steps)
 
+    if args.backend != "tensorflow":
+        return backend_main(args, sizes, shapes, epochs, steps, calls, distinct)
     import tensorflow as tf
 
     results, parts = [], []
@@ -392,6 +402,72 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": results, "breakdown": parts, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
+    return 0
+
+
+def _backend_rows(backend):
+    return (("torch DataLoader",) if backend == "torch" else ()) + ("numpy", "PyDataset", "kpipe")
+
+
+@contextlib.contextmanager
+def backend_input(row, x, y, steps, workers):
+    """The input `fit()` gets for `row` on JAX / PyTorch (the first row is the baseline):
+    `steps` batches, batch i = batch `i % distinct`, in order."""
+    if row in ("numpy", "torch DataLoader"):
+        order = np.arange(steps) % x.shape[0]
+        flat_x, flat_y = x[order].reshape((-1,) + x.shape[2:]), y[order].reshape(-1)
+        if row == "numpy":
+            yield (flat_x, flat_y), {"batch_size": x.shape[1], "shuffle": False}
+        else:
+            import torch
+
+            data = torch.utils.data.TensorDataset(torch.from_numpy(flat_x), torch.from_numpy(flat_y))
+            yield (torch.utils.data.DataLoader(data, batch_size=x.shape[1], shuffle=False),), {}
+    elif row == "PyDataset":
+        yield (Batches(x, y, steps),), {}
+    else:
+        with kpipe.ProcessLoader(Batches(x, y, steps), workers=workers) as loader:
+            yield (loader,), {}
+
+
+def backend_main(args, sizes, shapes, epochs, steps, calls, distinct):
+    """`fit()` steps/s from kpipe against the backend's usual input, side by side in one run."""
+    rows = _backend_rows(args.backend)
+    results = []
+    for size in sizes:
+        shape = shapes[size]
+        x, y = make_data(shape, distinct)
+        model = make_model(shape)
+        for row in rows:
+            with backend_input(row, x, y, steps, args.workers) as (fit_args, fit_kwargs):
+                timer = EpochTimer()
+                t0 = time.perf_counter()
+                model.fit(*fit_args, epochs=1 + epochs, verbose=0, callbacks=[timer], **fit_kwargs)
+                whole = (1 + epochs) * steps / (time.perf_counter() - t0)
+            rates = [n / seconds for n, seconds in timer.epochs]
+            best = max(rates[1:] or rates)
+            results.append({"size": size, "batch_shape": list(shape), "row": row, "steps_per_s": best,
+                            "epoch_rates": rates, "whole_steps_per_s": whole})
+            print(f"  {size}: {row:<18} {best:8.0f} steps/s best epoch, {whole:8.0f} whole call", flush=True)
+        ref = next(r for r in results if r["size"] == size and r["row"] == rows[0])
+        for r in results:
+            if r["size"] == size:
+                r["vs_baseline"] = r["steps_per_s"] / ref["steps_per_s"]
+                r["whole_vs_baseline"] = r["whole_steps_per_s"] / ref["whole_steps_per_s"]
+        del model, x, y
+    print(f"\nFeed benchmark on Keras's {args.backend} backend: {len(os.sched_getaffinity(0))} CPUs, {steps} steps per epoch, "
+          f"best of 1 warm-up + {epochs} epochs (and the whole call), workers={args.workers}, keras {keras.__version__}; "
+          f"baseline: {rows[0]}" + (" (--small: smoke test)" if args.small else ""))
+    print(f"{'input':<18}" + "".join(f"{s + ' steps/s':>17}{'vs ' + rows[0]:>22}{'whole vs':>10}" for s in sizes))
+    for row in rows:
+        line = f"{row:<18}"
+        for size in sizes:
+            r = next(r for r in results if r["size"] == size and r["row"] == row)
+            line += f"{r['steps_per_s']:>17.0f}{r['vs_baseline']:>22.2f}{r['whole_vs_baseline']:>10.2f}"
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": args.backend, "rows": results, "argv": sys.argv[1:]}, f, indent=2)
     return 0
 
 

@@ -1,6 +1,7 @@
 """Smoke tests of scripts/bench_feed.py and scripts/bench_auto.py: every row runs and the
 tables have their shape (no timing assertions)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -93,3 +94,22 @@ def test_bench_auto_quick_run_reports_fixed_counts_and_auto(tmp_path):
     assert result["targets"][0]["measured"] == pytest.approx(blas[2] / blas[1])
     for t in result["targets"]:
         assert any(line.split()[:1] in (["PASS"], ["MISS"]) and t["name"] in line for line in proc.stdout.splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed (pip install 'kpipe[jax]')")
+def test_bench_feed_backend_jax_compares_kpipe_with_numpy_arrays(tmp_path):
+    out = tmp_path / "feed-jax.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_feed.py"), "--backend", "jax", "--small", "--sizes", "1.5MB",
+         "--json", str(out)], capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["backend"] == "jax"
+    assert [r["row"] for r in result["rows"]] == ["numpy", "PyDataset", "kpipe"]
+    assert all(r["steps_per_s"] > 0 and len(r["epoch_rates"]) == 2 for r in result["rows"])
+    assert result["rows"][0]["vs_baseline"] == 1.0
+    assert "baseline: numpy" in proc.stdout

@@ -5,7 +5,6 @@ backends, seeds in fresh processes, exact resume, shards, `from_samples`,
 
 import importlib.util
 import os
-import subprocess
 import sys
 import warnings
 
@@ -55,11 +54,7 @@ def test_fit_shuffles_batches_as_plain_keras_does_on_tensorflow(tmp_path, no_lea
 
 
 def _program(out, *args, backend="tensorflow"):
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, os.path.join(PROGRAMS, "shuffle_orders.py"), "--out", str(out), *args],
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _outputs.run_program("shuffle_orders.py", out, *args, backend=backend)
     return _outputs.read(out, 0)
 
 

@@ -153,6 +153,12 @@ CASES = {
         """), changes=[("epochs=10", "epochs=2")],
         after="train.close(); assert os.path.getsize('timeline.png') > 0 and os.path.exists('log.csv')\n",
         files=["train.h5"]),
+    'os.environ["KERAS_BACKEND"] = "jax"': dict(  # (run on TensorFlow here; on JAX: tests/test_backend_jax.py)
+        before=MODEL + "{images}",
+        changes=[('import os; os.environ["KERAS_BACKEND"] = "jax"', "import os"), ("workers=8", "workers=2"),
+                 ("epochs=10", "epochs=2")],
+        after="assert len(model.history.history['loss']) == 2 and 'input_wait_share' in model.history.history\n",
+        files=["train.h5", "val.h5"]),
     "workers=kpipe.RayWorkers(32": dict(
         before=MODEL + "{images}import ray\nray.init(num_cpus=2, resources={'preprocess': 2}, "
                        "include_dashboard=False, logging_level='ERROR', log_to_driver=False)\n",

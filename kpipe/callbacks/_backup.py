@@ -79,7 +79,7 @@ from typing import Dict, List, Optional, Sequence
 import keras
 import numpy as np
 
-from kpipe import _fit_scope, _keras_hook, _stream
+from kpipe import _backends, _fit_scope, _keras_hook, _stream
 from kpipe._keras_hook import keras_iterator
 from kpipe.callbacks import _backup_input, _backup_state
 from kpipe.distribute._chief import per_worker_path
@@ -232,7 +232,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "use save_freq='epoch'.")
         self._check_keras_restarts_passes()
         self._check_input()
-        strategy = self.model.distribute_strategy
+        strategy = _backends.strategy_of(self.model)  # jax/torch: one replica, no tf.distribute
         workers = _num_workers(strategy)
         self._retain = max(self.keep, 2) if workers > 1 else self.keep
         local = complete_backups(self.worker_dir, self._kind)
@@ -257,6 +257,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.model._initial_epoch = metadata["epoch"]  # noqa: SLF001 -- how Keras's callback resumes
         self._set_initial_epoch = True
         self.restored_epoch, self.restored_step = metadata["epoch"], metadata["step"]
+        if self._skip > 0 and not self._read_skipped and _backends.name() == "torch":
+            from kpipe.callbacks import _backup_torch  # torch fetches before the step gate
+
+            _backup_torch.hold_fetches(self.model, self)
         line = (f"BackupAndRestore: resuming at epoch {metadata['epoch']}, step {metadata['batch']} "
                 f"({metadata['step']} training steps done) from backup {self._dir(index)}.")
         print(line) if self.verbose else logger.info(line)
@@ -442,8 +446,9 @@ class _StepGate:
         self.callback = callback
         self.last_was_real = False
 
-    def __call__(self, iterator):
-        cb = self.callback
+    def __call__(self, *args):
+        # TensorFlow: (iterator,); JAX: (state, iterator) -> (logs, state); PyTorch: (batches,)
+        iterator, cb = args[-1], self.callback
         if cb._align:  # noqa: SLF001 -- the first step of the resumed run
             for loader, seen in cb._align:  # noqa: SLF001
                 _set_keras_steps_seen(loader, seen)
@@ -451,12 +456,14 @@ class _StepGate:
         if cb._skip > 0:  # noqa: SLF001
             cb._skip -= 1  # noqa: SLF001
             self.last_was_real = False
-            if cb._read_skipped:  # noqa: SLF001 -- unshuffled arrays: drop the trained batch
+            if cb._read_skipped and not isinstance(iterator, list):  # noqa: SLF001 -- unshuffled arrays: drop the trained batch (PyTorch fetched it already)
                 next(iterator)
+            if len(args) == 2:  # JAX: the state goes on unchanged (its metrics: read at the epoch end)
+                return {}, args[0]
             return _metrics_so_far(cb.model)
         self.last_was_real = True
         cb._consumed += 1  # noqa: SLF001
-        return self.original(iterator)
+        return self.original(*args)
 
 
 def _build_metrics(model, strategy, loaders):
@@ -518,7 +525,7 @@ def _head(loader):
 def _steps_per_execution(model) -> int:
     value = getattr(model, "steps_per_execution", 1)
     try:
-        return int(keras.ops.convert_to_numpy(value))
+        return int(_backends.numpy_value(value))
     except Exception:  # noqa: BLE001
         return 1
 
@@ -574,6 +581,8 @@ def _check_loaders(loaders) -> List:
 
 
 def _num_workers(strategy) -> int:
+    if isinstance(strategy, _backends.NoStrategy):
+        return 1
     import tensorflow as tf
 
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
@@ -599,7 +608,7 @@ def _optimizer_step(model) -> Optional[int]:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return None
-    return int(keras.ops.convert_to_numpy(optimizer.iterations))
+    return int(_backends.numpy_value(optimizer.iterations))
 
 
 def _backup_dirs(worker_dir: str, kind: str) -> List[int]:

@@ -17,6 +17,8 @@ from typing import List, Optional
 import keras
 import numpy as np
 
+from kpipe import _backends
+
 logger = logging.getLogger("kpipe.callbacks")
 
 
@@ -33,7 +35,7 @@ def seed_generators(model) -> List:
 
 def random_state(model) -> List[List[int]]:
     """The state of each of `model`'s seed generators (JSON-serialisable)."""
-    return [np.asarray(keras.ops.convert_to_numpy(g.state)).tolist() for g in seed_generators(model)]
+    return [np.asarray(_backends.numpy_value(g.state)).tolist() for g in seed_generators(model)]
 
 
 def restore_random_state(model, saved: Optional[List], backup: str) -> None:

@@ -68,7 +68,7 @@ import warnings
 import keras
 
 from kpipe import _compat, _stream
-from kpipe.callbacks import _summary, _timeline
+from kpipe.callbacks import _profiler_feed, _summary, _timeline
 
 _TB_BATCH = 4096  # per-step TensorBoard values buffered before a write mid-epoch
 _KEYS = ("input_wait_share", "steps_per_sec", "samples_per_sec")
@@ -154,7 +154,8 @@ class InputProfiler(keras.callbacks.Callback):
     The measurement times `next(iterator)` where the step fetches its batch (see the NOTE
     at the top of this module); it works with `ProcessLoader`, `tf.data` datasets, plain
     `PyDataset`s and NumPy arrays, with or without a `tf.distribute` strategy, on the
-    TensorFlow backend. Validation steps are not measured. The first `skip_steps` steps
+    TensorFlow, JAX and PyTorch backends (on JAX and PyTorch it times the fetches of Keras's
+    epoch iterator: `kpipe/callbacks/_profiler_feed.py`). Validation steps are not measured. The first `skip_steps` steps
     of the first epoch (graph tracing, worker start-up) are left out of the figures unless
     nothing else was measured. Put `InputProfiler` *before* `CSVLogger` / `TensorBoard`
     in the `callbacks` list: Keras hands one `logs` dict to the callbacks in order.
@@ -247,12 +248,7 @@ class InputProfiler(keras.callbacks.Callback):
         self._timeline.clear()
         self._fit_t0 = time.perf_counter()
         if keras.backend.backend() != "tensorflow":
-            warnings.warn(
-                "InputProfiler measures input wait on the TensorFlow backend only; "
-                f"the active Keras backend is {keras.backend.backend()!r}. No input-wait "
-                "figures will be logged. Set KERAS_BACKEND=tensorflow to use it.",
-                stacklevel=_caller_stacklevel(),
-            )
+            self._begin_on_other_backend()
             return
         current = getattr(self.model, "train_function", None)
         if isinstance(current, _TimedTrainFunction):  # left over by a failed fit()
@@ -266,8 +262,36 @@ class InputProfiler(keras.callbacks.Callback):
         if self.log_dir is not None:
             self._open_writer()
 
+    def _begin_on_other_backend(self):
+        """JAX / PyTorch: time the fetches of Keras's epoch iterator (NOTE in _profiler_feed.py)."""
+        frame = _profiler_feed.fit_frame(self.model)
+        if frame is None or not hasattr(frame.f_locals["epoch_iterator"], "_get_iterator"):
+            warnings.warn(
+                "InputProfiler could not find the epoch iterator of Keras's fit() on the "
+                f"{keras.backend.backend()!r} backend (Keras {keras.__version__}); no input-wait "
+                "figures will be logged. Use the Keras version in kpipe's README (Tested with).",
+                stacklevel=_caller_stacklevel(),
+            )
+            return
+        self._input_kind, self._loader_ref = _describe_input(frame)
+        if self.model.train_function is None:
+            self.model.make_train_function()
+        if isinstance(self.model.train_function, _profiler_feed.StepTimer):  # left by a failed fit()
+            self.model.train_function.remove()
+
+        def record(start, end, wait_s, batches):
+            self._record(start, end, wait_s, batches, self._queue_depth())
+
+        self._wrapper = _profiler_feed.StepTimer(self.model, frame.f_locals["epoch_iterator"], record)
+        self._active = True
+        if self.log_dir is not None:
+            self._open_writer()
+
     def on_train_end(self, logs=None):
         self._active = False
+        if isinstance(self._wrapper, _profiler_feed.StepTimer):
+            self._wrapper.remove()
+            self._wrapper = None
         if self._wrapper is not None and self.model.train_function is self._wrapper:
             self.model.train_function = self._wrapper.original
         self._wrapper = None
@@ -350,8 +374,10 @@ class InputProfiler(keras.callbacks.Callback):
         self._pause_s = 0.0  # the last such write, to leave out of the next step
 
     def _record(self, start, end, wait_s, batches, depth=None):
-        strategy = self.model.distribute_strategy
-        samples = sum(_batch_size(b, strategy) for b in batches)
+        if isinstance(self._wrapper, _profiler_feed.StepTimer):  # JAX / PyTorch
+            samples = sum(_profiler_feed.batch_size(b) for b in batches)
+        else:
+            samples = sum(_batch_size(b, self.model.distribute_strategy) for b in batches)
         n = len(batches)
         epoch = self._epoch if self._epoch is not None else len(self.epochs)
         pause, self._pause_s = self._pause_s, 0.0

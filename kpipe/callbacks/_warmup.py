@@ -4,7 +4,7 @@ from typing import Optional
 
 import keras
 
-from kpipe import _compat, _keras_hook
+from kpipe import _backends, _compat, _keras_hook
 
 _keras_hook.install_fit_wrappers()  # fit()'s end runs _hand_back, however it ends (kpipe/_fit_scope.py)
 
@@ -130,10 +130,10 @@ class Warmup(keras.callbacks.Callback):
         elif self._start_rate is not None:
             target = self._start_rate
         else:
-            target = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+            target = float(_backends.numpy_value(optimizer.learning_rate))
         initial = self.initial_lr
         if initial is None:
-            initial = target / max(1, int(self.model.distribute_strategy.num_replicas_in_sync))
+            initial = target / max(1, int(_backends.strategy_of(self.model).num_replicas_in_sync))
         return steps, float(initial), float(target)
 
     # -- callback hooks --------------------------------------------------------------
@@ -146,7 +146,7 @@ class Warmup(keras.callbacks.Callback):
         # the one fit() starts with, not one that BackupAndRestore restores (mid-ramp) there.
         optimizer = getattr(model, "optimizer", None)
         lr = getattr(optimizer, "_learning_rate", None)
-        self._start_rate = (float(keras.ops.convert_to_numpy(lr))
+        self._start_rate = (float(_backends.numpy_value(lr))
                             if _compat.is_keras_variable(lr) else None)
 
     def on_train_begin(self, logs=None):
@@ -167,7 +167,7 @@ class Warmup(keras.callbacks.Callback):
         self._step, self._reads_step = None, _fit_scope.current(self.model) is not None
         if not self._variable_mode:
             self._user_schedule = lr
-            with self.model.distribute_strategy.scope():
+            with _backends.strategy_of(self.model).scope():
                 active = keras.Variable(1.0, dtype="float32", trainable=False, name="warmup_active")
             if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
                 self._wrapper = _WarmupSchedule(lr, steps, initial, target, active)
@@ -185,7 +185,7 @@ class Warmup(keras.callbacks.Callback):
         if not self._ramping:
             return
         if self._step is None or self._reads_step:
-            self._step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            self._step = int(_backends.numpy_value(self.model.optimizer.iterations))
         steps, initial, target = self._plan
         if self._step <= steps:
             self.model.optimizer.learning_rate = _ramp(self._step, steps, initial, target)
@@ -208,7 +208,7 @@ class Warmup(keras.callbacks.Callback):
         optimizer = self.model.optimizer
         steps, _, target = self._plan
         if self._variable_mode:
-            if int(keras.ops.convert_to_numpy(optimizer.iterations)) < steps:
+            if int(_backends.numpy_value(optimizer.iterations)) < steps:
                 optimizer.learning_rate = target
             return
         self._wrapper.active.assign(0.0)

@@ -62,3 +62,12 @@ __all__ = sorted([
 ])
 
 __getattr__, __dir__ = _lazy.attach(globals(), _LAZY_ATTRS)
+_lazy_getattr = __getattr__
+
+
+def __getattr__(name):  # noqa: F811 -- the lazy lookup, refused for tf.distribute names off TensorFlow
+    from kpipe import _backends
+
+    if name in _backends.INSTEAD:
+        _backends.require_tensorflow(name)  # UnsupportedBackendError on JAX / PyTorch
+    return _lazy_getattr(name)

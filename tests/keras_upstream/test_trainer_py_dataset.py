@@ -4,8 +4,9 @@
 # TestPyDataset, the py_dataset branch of create_dataset). Changes: every test runs in two
 # modes (see _upstream.py and README.md): "plain" hands Keras the PyDataset itself, "kpipe"
 # hands it `kpipe.ProcessLoader(dataset, workers=2)`; the unittest/absl class became a pytest
-# class; the Trainer is TensorFlow's (the tests run on TensorFlow only); the custom marker
-# `requires_trainable_backend` is dropped (TensorFlow is trainable). The test asserts that
+# class; the Trainer is the active backend's (TensorFlow, JAX or PyTorch: tests/test_backend_jax.py
+# runs this folder under KERAS_BACKEND=jax); the custom marker `requires_trainable_backend` is
+# dropped (all three are trainable). The test asserts that
 # fit() runs (upstream has no assertion in it). `backend.device` is `device` (Keras < 3.7
 # has `device_scope`).
 import pytest
@@ -23,7 +24,12 @@ from keras.src import losses
 from keras.src import metrics
 from keras.src import ops
 from keras.src import optimizers
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer as Trainer
+if backend.backend() == "jax":
+    from keras.src.backend.jax.trainer import JAXTrainer as Trainer
+elif backend.backend() == "torch":
+    from keras.src.backend.torch.trainer import TorchTrainer as Trainer
+else:
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer as Trainer
 from keras.src.trainers.data_adapters import py_dataset_adapter
 
 # `backend.device` is Keras >= 3.7; before, the same context manager is `backend.device_scope`.
@@ -147,7 +153,8 @@ class TestTrainer(UpstreamTestCase):
     ):
         jit_compile = True
         if dataset_kwargs.get("use_multiprocessing", False):
-            if backend.backend() == "jax":
+            if backend.backend() == "jax" and mode == "plain":
+                # kpipe: as on TensorFlow below, kpipe mode runs it (a ProcessLoader)
                 pytest.skip("Multiprocessing not supported with JAX backend")
             elif backend.backend() == "tensorflow" and mode == "plain":
                 # kpipe: a ProcessLoader loads the batches itself (Keras's own worker

@@ -43,3 +43,21 @@ def leave(status):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def run_program(program, out, *args, backend="tensorflow", timeout=240, env=None):
+    """Runs `tests/programs/<program>` in a fresh interpreter with `KERAS_BACKEND=backend`
+    (Keras picks its backend at import) and this checkout's kpipe first on the path; fails
+    the test with the program's stderr if it exits non-zero. Returns the finished process."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    full_env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2",
+                    PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, os.path.join(here, program), "--out", str(out), *args],
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

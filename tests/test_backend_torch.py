@@ -1,0 +1,72 @@
+"""kpipe under `KERAS_BACKEND=torch` (issue 47): the same cases as tests/test_backend_jax.py
+-- the loaders, `fit_generator`, validation / evaluate / predict, `BackupAndRestore`
+resuming mid-epoch in a new process, `Warmup`, `InputProfiler`, `kpipe.data` -- each
+ending with plain Keras's weights on PyTorch (byte for byte), TensorFlow-only names
+refused by name, and no TensorFlow in the process or the workers. Skipped where torch is
+not installed (CI does not install it: README, Other Keras backends)."""
+
+import importlib.util
+
+import pytest
+
+import _backend_checks as checks
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.slow,
+    pytest.mark.timeout(400),
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                       reason="torch is not installed (pip install torch --index-url https://download.pytorch.org/whl/cpu)"),
+]
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch")
+    record, arrays = checks.run(out, "first", "torch", timeout=360)
+    assert record["backend"] == "torch"
+    return out, record, arrays
+
+
+def test_process_loader_validation_evaluate_predict_equal_plain_keras(first):
+    checks.check_loader(*first[1:])
+
+
+def test_from_samples_equals_numpy_arrays(first):
+    checks.assert_same_bytes(first[2], "samples")
+
+
+def test_fit_generator_equals_plain_fit(first):
+    checks.assert_same_bytes(first[2], "fit_generator")
+
+
+def test_warmup_ramps_as_on_plain_input(first):
+    checks.check_warmup(*first[1:])
+
+
+def test_input_profiler_measures_each_step_and_plots(first):
+    checks.check_profiler(*first[1:], steps=16)
+
+
+def test_kpipe_data_pipeline_equals_numpy_arrays(first):
+    checks.assert_same_bytes(first[2], "data")
+
+
+def test_tensorflow_only_names_raise_a_named_error(first):
+    checks.check_tf_only_errors(first[1], "torch")
+
+
+def test_a_batch_kept_as_a_backend_tensor_keeps_its_slot(first):
+    checks.check_handover(first[1], aliases=True)  # torch.as_tensor: a view of the slot
+
+
+def test_no_tensorflow_in_the_process_or_the_workers(first):
+    checks.check_no_tensorflow(first[1])
+
+
+def test_backup_resumes_mid_epoch_in_a_new_process_bit_identical(first):
+    out, _, arrays = first
+    record, resumed = checks.run(out, "resume", "torch")
+    assert (record["restored_epoch"], record["restored_step"]) == (1, 10)
+    full = checks.weights(arrays, "backup/full")
+    assert [w.tobytes() for w in checks.weights(resumed, "backup/resumed")] == [w.tobytes() for w in full]
