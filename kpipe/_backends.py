@@ -39,7 +39,7 @@ _TRAINERS = {
 # TensorFlow-only kpipe names -> what to use on the JAX / PyTorch backends instead.
 INSTEAD = {
     "auto_strategy": "keras.distribution.DataParallel() with keras.distribution.set_distribution(...) "
-    "on JAX (README: Other Keras backends); on PyTorch, torch.distributed outside Keras's fit()",
+    "on JAX (docs: guides/backends.md); on PyTorch, torch.distributed outside Keras's fit()",
     "MultiWorkerMirroredStrategy": "keras.distribution.DataParallel over jax.distributed processes on JAX",
     "ps_fit": "plain model.fit(kpipe.ProcessLoader(...)): parameter-server training is tf.distribute's",
     "pipeline_model": "keras.distribution.ModelParallel (a LayoutMap) on JAX",
