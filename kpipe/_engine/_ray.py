@@ -72,16 +72,13 @@ epoch-hook rule), so only the backend changes (the protocol in `_backend.py`):
   with the last loader that used it; a cluster it connected to is left running.
 """
 
-import collections
-import functools
 import itertools
 import logging
-import os
 import sys
 import time
 import weakref
 
-from kpipe._engine import _pickling, _procs, _ray_actor, _shm, _tree
+from kpipe._engine import _pickling, _procs, _ray_actor, _ray_slots, _shm, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._backend import Backend
 from kpipe._engine._ray_cluster import connect, disconnect
@@ -143,12 +140,7 @@ class RayBackend(Backend):
         self._failures = 0
         # Actors on this node hand batches over in shared-memory slots (see the NOTE):
         self._node = ray.get_runtime_context().get_node_id()
-        self.slots_reachable = True  # False once an actor's slot could not be opened here
-        self._segments = {}  # (actor pid, slot) -> this process's Segment of that slot
-        self._released = collections.deque()  # (actor pid, slot) the consumer let go of (any thread)
-        self._free = {}  # actor pid -> slots released, to tell it with its next task
-        self._orphans = []  # refs of discarded tasks: their slots are released when they end
-        self._segments_finalizer = weakref.finalize(self, _close_segments, self._segments)
+        self._slots = _ray_slots.Slots(name)
         try:
             self._payload, _ = _pickling.dumps(target, None, what=f"`{name}`")
             self._sent_fingerprint = _pickling.state_fingerprint(target)  # (see same_state)
@@ -250,7 +242,7 @@ class RayBackend(Backend):
         return actor.id
 
     def _stop(self, actor):
-        self._forget_slots(actor.pid)
+        self._slots.forget(actor.pid)
         self._actors.remove(actor)
         try:
             _ray().kill(actor.handle, no_restart=True)
@@ -312,7 +304,7 @@ class RayBackend(Backend):
         new.retiring = actor.retiring
         self._wait_ready([new])
         self._actors[self._actors.index(actor)] = new
-        self._forget_slots(actor.pid)
+        self._slots.forget(actor.pid)
         for seq in actor.pending:
             self._tasks[seq][2] = new
         new.pending, actor.pending, actor.outbox = actor.pending, [], []
@@ -379,66 +371,18 @@ class RayBackend(Backend):
     def _load(self, actor, items):
         """`actor.load_many.remote(items, ...)`, telling it the slots the consumer let go
         of, and whether the batches may stay on this node in slots."""
-        released = self._released
-        while released:
-            pid, slot = released.popleft()
-            self._free.setdefault(pid, []).append(slot)
-        self._reap_orphans()
-        local = self.slots_reachable and actor.node == self._node
-        return actor.handle.load_many.remote(items, self._free.pop(actor.pid, ()), local)
+        released = self._slots.released_for(actor.pid)
+        local = self._slots.reachable and actor.node == self._node
+        return actor.handle.load_many.remote(items, released, local)
 
-    def _slot_views(self, slot, actor):
-        """The arrays of a batch left in `actor`'s slot: views of this process's mapping
-        of it (its descriptor opened through /proc once per slot), each holding a lease
-        that tells the actor, with its next task, that the slot is free again. None where
-        the slot cannot be opened here (then every later batch uses the object store)."""
-        index, fd, pid, layout = slot
-        segment = self._segments.get((pid, index))
-        if segment is None:
-            try:
-                segment = _shm.Segment(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC))
-            except OSError as exc:
-                said, self.slots_reachable = not self.slots_reachable, False
-                if said:  # (batches already in slots come this way too: said once)
-                    return None
-                logger.warning("ProcessLoader(%s): cannot open the shared memory of Ray actor %s (pid %s) on this "
-                               "node (%s): batches come through Ray's object store from now on.", self.name,
-                               actor.id, pid, exc)
-                return None
-            self._segments[(pid, index)] = segment
-        lease = _shm.Lease(functools.partial(self._released.append, (pid, index)))
-        return segment.views(layout, lease=lease, writable=True), [(d, s) for _, _, d, s in layout]
+    @property
+    def slots_reachable(self):
+        """False once an actor's slot could not be opened here (batches then take the object store)."""
+        return self._slots.reachable
 
     def local_slots(self):
         """Slots of actors on this node mapped here now (each is reused once released)."""
-        return len(self._segments)
-
-    def _forget_slots(self, pid):
-        """An actor is gone: this process's descriptors of its slots are closed (arrays
-        still viewing them keep their mappings), and what was released for it is dropped."""
-        self._free.pop(pid, None)
-        for key in [k for k in self._segments if k[0] == pid]:
-            self._segments.pop(key).close()
-
-    def _reap_orphans(self):
-        """Releases the slots of discarded batches whose calls ended (they are unused)."""
-        if not self._orphans:
-            return
-        ray = _ray()
-        refs = list({id(ref): ref for ref, _ in self._orphans}.values())
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        done = {id(ref) for ref in done}
-        orphans, self._orphans = self._orphans, []
-        for ref, j in orphans:
-            if id(ref) not in done:
-                self._orphans.append((ref, j))
-                continue
-            try:
-                kind, value = ray.get(ref)[0][j]
-            except Exception:  # noqa: BLE001 -- the call failed: no slot was kept
-                continue
-            if kind == "ok" and value[3] is not None:
-                self._released.append((value[3][2], value[3][0]))
+        return self._slots.count()
 
     def get(self, seq, on_starved=None):
         ray = _ray()
@@ -506,9 +450,8 @@ class RayBackend(Backend):
         treedef, leaves, timings, slot = value
         if slot is None:
             return "ok", (treedef, leaves, [(_shm.dtype_token(a.dtype), a.shape) for a in leaves], timings)
-        views = self._slot_views(slot, actor)
+        views = self._slots.views(slot, actor)
         if views is None:
-            self._released.append((slot[2], slot[0]))
             return "reload", None
         return "ok", (treedef, views[0], views[1], timings)
 
@@ -531,7 +474,7 @@ class RayBackend(Backend):
             if ref is None:
                 actor.outbox.remove(seq)
             else:
-                self._orphans.append((ref, task[5]))  # (a slot it fills is released when its call ends)
+                self._slots.orphan(ref, task[5])  # (a slot it fills is released when its call ends)
         self._forget(seq)
 
     def reset_target(self, target, dumped=None):
@@ -596,15 +539,8 @@ class RayBackend(Backend):
         self.closed = True
         self._tasks.clear()
         self._done.clear()
-        self._orphans.clear()
         self._finalizer()
-        self._segments_finalizer()  # (arrays still viewing slots keep their mappings)
-
-
-def _close_segments(segments):
-    for segment in segments.values():
-        segment.close()
-    segments.clear()
+        self._slots.close()  # (arrays still viewing slots keep their mappings)
 
 
 def _kill_all(actors, started):
