@@ -19,7 +19,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import kpipe  # noqa: E402
 from _datasets import Squares  # noqa: E402
-from conftest import reader_of  # noqa: E402
+from conftest import gone, reader_of  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(400)]
 SPOT = {"spot": 1}  # actors only on the spot nodes (2 per node: a node's CPUs all held)
@@ -40,8 +40,17 @@ def _spot(cluster):
     return cluster.add_node(num_cpus=2, resources={"spot": 2})
 
 
-def _lose(cluster, node):
-    cluster.remove_node(node, allow_graceful=False)  # SIGKILLed: its raylet and workers, as a host that died
+def _lose(cluster, node, backend=None):
+    """SIGKILLs `node`'s raylet and processes, as a host that died, and waits (a deadline,
+    not a timing) until Ray marked it dead and `backend`'s actors there have exited: from
+    then on every call to them fails (before, one may still answer, as on a real host
+    whose death takes a moment to show)."""
+    pids = [a["pid"] for a in backend.actors() if a["node"] == node.node_id] if backend is not None else []
+    cluster.remove_node(node, allow_graceful=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id):
+        time.sleep(0.1)
+    assert gone(pids)
 
 
 def _loaders_actors(within_s=60.0):
@@ -106,12 +115,17 @@ def _states(backend):
     return sorted(a["state"] for a in backend.actors())
 
 
-def _wait_live(backend, count, within_s=120.0):
-    """Polls the loader's actors until `count` are live (a deadline, not a timing)."""
+def _placed(count, within_s=120.0):
+    """Waits until `count` of kpipe's actors are alive in the cluster (placed and
+    started; a deadline, not a timing): the loader takes them in at its next read."""
+    from ray._private import state
+
     deadline = time.monotonic() + within_s
-    while _states(backend).count("live") < count and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if sum(1 for a in state.actors().values() if a["ActorClassName"] == "Loader" and a["State"] == "ALIVE") >= count:
+            return True
         time.sleep(0.2)
-    return _states(backend)
+    return False
 
 
 def test_a_node_lost_at_full_capacity_costs_its_actors_not_the_run(cluster, caplog):
@@ -127,7 +141,7 @@ def test_a_node_lost_at_full_capacity_costs_its_actors_not_the_run(cluster, capl
             def lose(epoch):
                 if epoch == 0:  # every CPU of both nodes held: no room for a replacement
                     lost.append(_node_of(nodes, backend))
-                    _lose(cluster, lost[0])
+                    _lose(cluster, lost[0], backend)
 
             with caplog.at_level(logging.WARNING, logger="kpipe"):
                 model.fit(loader, epochs=3, verbose=0, shuffle=False, callbacks=[_on_epoch_end(lose)])
@@ -138,6 +152,159 @@ def test_a_node_lost_at_full_capacity_costs_its_actors_not_the_run(cluster, capl
         assert len(waits) == 1 and "resources={'spot': 1}" in waits[0], waits
         _assert_same(model.get_weights(), want)
         assert _loaders_actors() == 0  # the pending creations cancelled with the live actors
+    finally:
+        for node in nodes:
+            if node in cluster.worker_nodes:
+                _lose(cluster, node)
+
+
+def test_a_node_lost_with_spare_capacity_is_replaced_there_and_fit_goes_on(cluster):
+    nodes = [_spot(cluster) for _ in range(2)]
+    try:
+        want = _plain_weights(8, epochs=3)
+        model = _model()
+        with kpipe.ProcessLoader(Squares(n=8), workers=kpipe.RayWorkers(2, resources=SPOT), timeout=60,
+                                 max_queue_size=4) as loader:
+            backend = reader_of(loader).backend
+            lost = []
+
+            def lose(epoch):
+                if epoch == 0:  # (one actor or both were there: the other node has room for both)
+                    lost.append(_node_of(nodes, backend))
+                    _lose(cluster, lost[0], backend)
+
+            model.fit(loader, epochs=3, verbose=0, shuffle=False, callbacks=[_on_epoch_end(lose)])
+            assert loader.stats()["loads"] == 24
+            assert _placed(2)
+            loader[0]  # (a read takes in the actors placed since)
+            assert _states(backend) == ["live", "live"]
+            (kept,) = set(n.node_id for n in nodes) - {lost[0].node_id}
+            assert set(backend.nodes()) == {kept}
+        _assert_same(model.get_weights(), want)
+        assert _loaders_actors() == 0
+    finally:
+        for node in nodes:
+            if node in cluster.worker_nodes:
+                _lose(cluster, node)
+
+
+def test_a_node_added_back_mid_fit_gets_the_replacements_which_take_batches(cluster):
+    nodes = [_spot(cluster) for _ in range(2)]
+    try:
+        want = _plain_weights(8, epochs=5)
+        model = _model()
+        with kpipe.ProcessLoader(Squares(n=8), workers=kpipe.RayWorkers(4, resources=SPOT), timeout=60,
+                                 max_queue_size=4) as loader:
+            backend = reader_of(loader).backend
+            added = []
+
+            def shrink_and_grow(epoch):
+                if epoch == 0:  # at full capacity: 2 actors lost, 2 replacements wait
+                    _lose(cluster, _node_of(nodes, backend), backend)
+                elif epoch == 2:
+                    assert _states(backend).count("starting") == 2
+                    added.append(_spot(cluster))  # (`ray start` again, or the autoscaler)
+                    assert _placed(4)  # the next pass's first read takes them in
+
+            model.fit(loader, epochs=5, verbose=0, shuffle=False, callbacks=[_on_epoch_end(shrink_and_grow)])
+            nodes += added
+            assert loader.stats()["loads"] == 40
+            back = [a for a in backend.actors() if a["node"] == added[0].node_id]
+            assert len(back) == 2 and all(a["loads"] > 0 for a in back), backend.actors()  # they took batches
+            assert _states(backend) == ["live"] * 4
+        _assert_same(model.get_weights(), want)
+        assert _loaders_actors() == 0
+    finally:
+        for node in nodes:
+            if node in cluster.worker_nodes:
+                _lose(cluster, node)
+
+
+def test_a_node_lost_and_regained_every_epoch_keeps_actors_flat_and_trains_as_local_workers(cluster):
+    epochs = 6 if os.environ.get("KPIPE_SMALL") else 20
+    nodes = [_spot(cluster) for _ in range(2)]
+    try:
+        want_model = _model()  # the loader's seeded shuffle, loaded in this process
+        with kpipe.ProcessLoader(Squares(n=8), workers=0, shuffle=True, seed=3) as local:
+            want_model.fit(local, epochs=epochs, verbose=0)
+        model = _model()
+        counts = []
+        with kpipe.ProcessLoader(Squares(n=8), workers=kpipe.RayWorkers(4, resources=SPOT), shuffle=True, seed=3,
+                                 timeout=60, max_queue_size=4) as loader:
+            backend = reader_of(loader).backend
+
+            def churn(epoch):
+                live = [a for a in backend.actors() if a["state"] == "live"]
+                victim = next(n for n in nodes if n.node_id == live[0]["node"])
+                _lose(cluster, victim, backend)
+                nodes.remove(victim)
+                nodes.append(_spot(cluster))
+                counts.append((len(backend.actors()), backend.local_slots(), _loaders_actors_at_most(4)))
+
+            model.fit(loader, epochs=epochs, verbose=0, callbacks=[_on_epoch_end(churn)])
+            assert loader.stats()["loads"] == 8 * epochs
+        assert counts == [(4, 0, True)] * epochs, counts  # no actor, creation or slot more than at the start
+        _assert_same(model.get_weights(), want_model.get_weights())
+        assert _loaders_actors() == 0
+    finally:
+        for node in nodes:
+            if node in cluster.worker_nodes:
+                _lose(cluster, node)
+
+
+def _loaders_actors_at_most(count, within_s=60.0):
+    """Whether the cluster's kpipe actors alive or waiting to be placed fall to `count`
+    within `within_s` (Ray marks a lost node's actors dead a moment after it)."""
+    from ray._private import state
+
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = sum(1 for a in state.actors().values() if a["ActorClassName"] == "Loader" and a["State"] != "DEAD")
+        if alive <= count or time.monotonic() > deadline:
+            return alive <= count
+        time.sleep(0.2)
+
+
+def test_no_actor_live_for_timeout_is_the_named_error_and_leaves_no_actor(cluster):
+    node = _spot(cluster)
+    try:
+        loader = kpipe.ProcessLoader(Squares(n=8), workers=kpipe.RayWorkers(2, resources=SPOT), timeout=5,
+                                     max_queue_size=4)
+        assert [float(loader[i][0][0, 0]) for i in range(2)] == [0.0, 10.0]
+        backend = reader_of(loader).backend
+        _lose(cluster, node, backend)  # every actor lost, and nowhere to place one
+        t0 = time.monotonic()
+        with pytest.raises(kpipe.BatchTimeoutError, match=r"did not start within timeout=5.0 s \(and none was live "
+                                                          r"meanwhile: the others were lost\): they need num_cpus=1 and "
+                                                          r"resources=\{'spot': 1\}"):
+            for i in range(2, 24):  # (the first of them may have arrived before)
+                loader[i % 8]
+        assert time.monotonic() - t0 < 120  # (a hang check, not a timing claim)
+        assert backend.closed
+        assert _loaders_actors() == 0  # the pending creations cancelled
+    finally:
+        if node in cluster.worker_nodes:
+            _lose(cluster, node)
+
+
+def test_a_loader_dropped_or_closed_while_replacements_wait_leaves_no_actor(cluster):
+    nodes = [_spot(cluster) for _ in range(2)]
+    try:
+        for close in (True, False):
+            loader = kpipe.ProcessLoader(Squares(n=8), workers=kpipe.RayWorkers(4, resources=SPOT), max_queue_size=4)
+            [loader[i] for i in range(8)]
+            backend = reader_of(loader).backend
+            lost = _node_of(nodes, backend)
+            _lose(cluster, lost, backend)
+            nodes.remove(lost)
+            [loader[i] for i in range(8)]
+            assert _states(backend).count("starting") == 2
+            if close:
+                loader.close()
+            del loader, backend  # (a re-run notebook cell: no close())
+            gc.collect()
+            assert _loaders_actors() == 0
+            nodes.append(_spot(cluster))
     finally:
         for node in nodes:
             if node in cluster.worker_nodes:

@@ -186,14 +186,12 @@ class RayBackend(Backend):
             f"(of {describe(ray.cluster_resources())}). Add nodes with these resources or ask for less.")
 
     def actors(self):
-        """Each actor as the loader sees it now (those starting polled first): a dict of
-        `id`, `pid`, `node`, `loads` (batches delivered) and `state`: "live", "starting"
-        (not placed or not ready yet: added by `RayWorkers("auto")`, or replacing a lost
-        actor) or "retiring"."""
-        if not self.closed:
-            self._poll_starting()
+        """Each actor as the loader saw it at its last submit or read (a snapshot, safe
+        from another thread): a dict of `id`, `pid`, `node`, `loads` (batches delivered)
+        and `state`: "live", "starting" (not placed or not ready yet: added by
+        `RayWorkers("auto")`, or replacing a lost actor) or "retiring"."""
         return [{"id": a.id, "pid": a.pid, "node": a.node, "loads": a.loads,
-                 "state": "retiring" if a.retiring else "starting" if a.starting else "live"} for a in self._actors]
+                 "state": "retiring" if a.retiring else "starting" if a.starting else "live"} for a in list(self._actors)]
 
     @property
     def num_workers(self):
@@ -347,10 +345,11 @@ class RayBackend(Backend):
         live = sum(a.starting is None and not a.retiring for a in self._actors)
         logger.warning(
             "ProcessLoader(%s): Ray actor %s (pid %s) was lost (%s), %d in all with those on nodes Ray marked dead. "
-            "Loading goes on with the %d live actors, which load their %d batches in flight again; waiting for Ray to "
-            "place a replacement of each (num_cpus=%s%s; the cluster has %s free): each takes batches once ready. "
-            "Loading fails only if no actor is live for timeout=%s s.",
-            self.name, actor.id, actor.pid, why, lost, live, count, self._spec.num_cpus,
+            "%s; waiting for Ray to place a replacement of each (num_cpus=%s%s; the cluster has %s free): each takes "
+            "batches once ready. Loading fails only if no actor is live for timeout=%s s.",
+            self.name, actor.id, actor.pid, why, lost,
+            f"Loading goes on with the {live} live actors, which load their {count} batches in flight again" if live
+            else f"No actor is live: their {count} batches in flight wait for one", self._spec.num_cpus,
             f", resources={self._spec.resources}" if self._spec.resources else "", describe(ray.available_resources()),
             self.timeout)
 
