@@ -9,6 +9,8 @@ with the `ray start` CLI as the README does."""
 import gc
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -309,3 +311,160 @@ def test_a_loader_dropped_or_closed_while_replacements_wait_leaves_no_actor(clus
         for node in nodes:
             if node in cluster.worker_nodes:
                 _lose(cluster, node)
+
+
+# ------------------------------------------------- a cluster started with `ray start`, as the README does
+_CLI_DRIVER = r"""
+import json, os, signal, subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+import keras, numpy as np, ray, kpipe
+from ray._private import state
+from _datasets import Squares
+from conftest import gone, reader_of
+
+victim_pgid, node_cmd, pgid_file = int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+
+def model():
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    m.compile(keras.optimizers.SGD(1e-4), "mse")
+    return m
+
+class Plain(keras.utils.PyDataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return Squares(n=8)[i]
+
+def loaders_actors(state_name=None):
+    return sum(1 for a in state.actors().values() if a["ActorClassName"] == "Loader"
+               and (a["State"] == state_name if state_name else a["State"] != "DEAD"))
+
+def until(check, within_s=120.0):
+    deadline = time.monotonic() + within_s
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return check()
+
+want = model()
+want.fit(Plain(), epochs=4, shuffle=False, verbose=0)
+got, out = model(), {}
+with kpipe.ProcessLoader(Squares(n=8), workers=kpipe.RayWorkers(4, resources={"preprocess": 1}), max_queue_size=4,
+                         timeout=120) as loader:  # (RAY_ADDRESS, as the README says)
+    backend = reader_of(loader).backend
+
+    class Churn(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:  # the node's raylet, workers and actors SIGKILLed: every CPU was held
+                nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+                os.killpg(victim_pgid, signal.SIGKILL)
+                lost = until(lambda: len({n["NodeID"] for n in ray.nodes() if n["Alive"]}) == len(nodes) - 1)
+                out["lost"] = lost and gone([a["pid"] for a in backend.actors()
+                                             if a["node"] not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}])
+            elif epoch == 1:  # `ray start` again: the replacements waiting are placed there
+                out["starting_before_return"] = sorted(a["state"] for a in backend.actors()).count("starting")
+                node = subprocess.Popen(node_cmd, start_new_session=True, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+                with open(pgid_file, "a") as f:
+                    f.write(f"{node.pid}\n")
+                out["placed"] = until(lambda: loaders_actors("ALIVE") == 4)
+
+    got.fit(loader, epochs=4, verbose=0, shuffle=False, callbacks=[Churn()])
+    out["loads"] = loader.stats()["loads"]
+    out["states"] = sorted(a["state"] for a in backend.actors())
+    out["new_actors_loaded"] = sorted(a["loads"] > 0 for a in backend.actors())
+out["same_weights"] = all(np.allclose(a, b, rtol=1e-6) for a, b in zip(got.get_weights(), want.get_weights()))
+out["actors_after"] = until(lambda: loaders_actors() == 0) and loaders_actors()
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_start_cmd(args):
+    """`ray start --block ...` with free ports for what two nodes of one host would share."""
+    ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+             f"--runtime-env-agent-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}"]
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    return [ray_cli if os.path.exists(ray_cli) else "ray", "start", "--block", "--node-ip-address=127.0.0.1", *ports, *args]
+
+
+def _ray_start(cmd, env, log):
+    """Runs `cmd` in a session of its own: the node's processes (raylet, workers, actors)
+    are in its process group, so that killing the group kills the node (as a host that
+    died) and nothing else on this machine (never `ray stop`)."""
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_a_ray_start_cluster_with_token_auth_loses_a_node_at_full_capacity_and_gets_it_back(tmp_path):
+    import json
+    import shutil
+    import signal
+    import tempfile
+    import uuid
+
+    import psutil
+
+    temp_dir = tempfile.mkdtemp(prefix="kpr", dir="/tmp")  # (short: Ray's socket paths have a length limit)
+    port = _free_port()
+    # Token authentication, as the README says: every host (and the trainer) RAY_AUTH_MODE=token and the token
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=uuid.uuid4().hex, RAY_USAGE_STATS_ENABLED="0",
+               # (Ray's notice of a dead node, shortened: about 15 s by default)
+               RAY_health_check_initial_delay_ms="0", RAY_health_check_period_ms="500",
+               RAY_health_check_failure_threshold="3")
+    log = open(tmp_path / "ray.log", "w")
+    pgid_file = tmp_path / "pgids"
+    procs = []
+    try:
+        head = _ray_start(_ray_start_cmd(["--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+                              f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+                              f"--temp-dir={temp_dir}", "--disable-usage-stats"]), env, log)
+        procs.append(head)
+        node_args = [f"--address=127.0.0.1:{port}", "--num-cpus=2", '--resources={"preprocess": 2}']
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(temp_dir, "session_latest")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for _ in range(2):
+            procs.append(_ray_start(_ray_start_cmd(node_args), env, log))
+        env_driver = dict(env, RAY_ADDRESS=f"127.0.0.1:{port}", TF_CPP_MIN_LOG_LEVEL="2")
+        check = [sys.executable, "-c", "import ray, sys; ray.init(logging_level='ERROR'); import time\n"
+                 "t = time.monotonic()\n"
+                 "while sum(n['Alive'] for n in ray.nodes()) < 3 and time.monotonic() - t < 120: time.sleep(0.5)\n"
+                 "sys.exit(sum(n['Alive'] for n in ray.nodes()) != 3)"]
+        assert subprocess.run(check, env=env_driver, timeout=180).returncode == 0, (tmp_path / "ray.log").read_text()[-3000:]
+        node_cmd = _ray_start_cmd(node_args)  # (what a returning node runs: the driver starts it)
+        tests = os.path.dirname(os.path.abspath(__file__))
+        driver = subprocess.run([sys.executable, "-c", _CLI_DRIVER, tests, str(procs[1].pid), json.dumps(node_cmd),
+                                 str(pgid_file)], env=dict(env_driver, PYTHONPATH=os.pathsep.join(
+                                     [os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])),
+                                capture_output=True, text=True, timeout=300)
+        result = [line for line in driver.stdout.splitlines() if line.startswith("RESULT ")]
+        assert result, driver.stdout[-2000:] + driver.stderr[-4000:]
+        out = json.loads(result[0][len("RESULT "):])
+        assert out == {"lost": True, "starting_before_return": 2, "placed": True, "loads": 32,
+                       "states": ["live"] * 4, "new_actors_loaded": [True] * 4, "same_weights": True,
+                       "actors_after": 0}, out
+    finally:
+        pgids = [p.pid for p in procs] + ([int(x) for x in pgid_file.read_text().split()] if pgid_file.exists() else [])
+        for pgid in pgids:  # this cluster's nodes, each a process group: nothing else on the machine
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait(timeout=30)
+        mine = [p.pid for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
+        for pid in mine:  # (anything of this cluster's session that left its group)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -460,6 +460,10 @@ class RayBackend(Backend):
         """False once an actor's slot could not be opened here (batches then take the object store)."""
         return self._slots.reachable
 
+    @slots_reachable.setter
+    def slots_reachable(self, value):
+        self._slots.reachable = value
+
     def local_slots(self):
         """Slots of actors on this node mapped here now (each is reused once released)."""
         return self._slots.count()
