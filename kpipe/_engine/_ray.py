@@ -53,11 +53,18 @@ epoch-hook rule), so only the backend changes (the protocol in `_backend.py`):
 * Placement: `num_cpus` per actor and `resources` (a custom resource the CPU-only
   preprocessing nodes were started with: `ray start --resources='{"preprocess": 8}'`);
   actors that cannot be placed within `timeout` are a named error, never a hang.
-* Faults: an actor (or its node) lost while loading is replaced -- a new actor with the
-  same id and the current state -- and its pending batches are loaded again there, in
-  order: batches are pure functions of (dataset state, index, seed), so every batch is
-  delivered once, the same as it would have been. An exception in `__getitem__` is raised
-  in the main process with its type and the remote traceback, as from a process worker.
+* Faults: an actor (or its node) lost while loading costs throughput, not the run. Its
+  batches not fetched yet go to the live actors, in order, each under the state it was
+  submitted under (batches are pure functions of (dataset state, index, seed): every batch
+  is delivered once, the same as it would have been), with the actors of every node Ray
+  marked dead; a replacement of each (same id, current state) is asked of Ray without a
+  wait: placed at once where there is room, else when capacity returns (a node added back,
+  the autoscaler), it takes tasks once ready (polled at each submit and read). One warning
+  says what is waited for. Only when no actor was live for `timeout` (batches waiting for
+  one) is it the named `BatchTimeoutError` of actors not placed; then, as on every failure
+  path, the actors and pending creations are killed (`_fail` -> `close`). An exception in
+  `__getitem__` is raised in the main process with its type and the remote traceback, as
+  from a process worker.
 * The actor count (`RayWorkers("auto")`): the controller of `workers="auto"` (NOTE in
   `_autoscale.py`) with the CPUs and the actor count the cluster's live nodes offer this
   spec (`capacity()`). Added actors take tasks once Ray placed them and they are ready
