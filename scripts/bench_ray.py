@@ -34,9 +34,9 @@ does):
            "spot" nodes of 2 CPUs (every CPU held), batches of 16 x 5 ms of waiting (no
            CPU: simulated nodes show the rates honestly); steps/s read in plan order,
            pass after pass. One node SIGKILLed (`remove_node(allow_graceful=False)`)
-           mid-pass: the longest wait for a batch after it (the dip: mostly Ray's notice
-           of the dead node, its health checks: ~15 s with Ray's defaults, 1.5 s with
-           --quick's), the time lost against the steady rate, the steady rate on the 2
+           mid-pass: the longest wait for a batch after it (the dip: until a call to a
+           lost actor fails; --quick shortens Ray's health checks), the time lost
+           against the steady rate (batches after the loss), the steady rate on the 2
            actors left against a loader that had only 2 actors from the start (target
            >= 0.9x), and the rate once a node was added back and the 2 replacements
            waiting were placed there, against the rate before the loss.
