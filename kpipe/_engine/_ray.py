@@ -363,7 +363,7 @@ class RayBackend(Backend):
     def _route(self, seqs):
         """Sends the tasks `seqs` (in order) to the live actors, the least loaded first;
         with none live, they wait for one."""
-        live = [a for a in self._actors if a.starting is None and not a.retiring]
+        live, sent = [a for a in self._actors if a.starting is None and not a.retiring], {}
         for seq in seqs:
             task = self._tasks[seq]
             task[2] = task[3] = None
@@ -373,10 +373,11 @@ class RayBackend(Backend):
             actor = task[2] = min(live, key=lambda a: (len(a.pending), a.last_task))
             actor.pending.append(seq)
             actor.outbox.append(seq)
+            sent[id(actor)] = actor
         self._homeless.sort()
         if self._homeless and self._none_live_since is None:
             self._none_live_since = time.monotonic()
-        for actor in live:
+        for actor in sent.values():
             self._send(actor)
 
     def _await_live(self):
