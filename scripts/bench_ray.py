@@ -30,6 +30,16 @@ does):
            backend, and issue #30's targets for the actors.
   fit      `model.fit()` on 1.5 MB batches (128 x 64 x 64 x 3 uint8) and a near-free
            model: steps/s of the best epoch, 2 process workers vs 2 Ray actors.
+  shrink   a node lost at full capacity and added back (issue #44): 4 Ray actors on two
+           "spot" nodes of 2 CPUs (every CPU held), batches of 16 x 5 ms of waiting (no
+           CPU: simulated nodes show the rates honestly); steps/s read in plan order,
+           pass after pass. One node SIGKILLed (`remove_node(allow_graceful=False)`)
+           mid-pass: the longest wait for a batch after it (the dip: until a call to a
+           lost actor fails; --quick shortens Ray's health checks), the time lost
+           against the steady rate (batches after the loss), the steady rate on the 2
+           actors left against a loader that had only 2 actors from the start (target
+           >= 0.9x), and the rate once a node was added back and the 2 replacements
+           waiting were placed there, against the rate before the loss.
 
     python scripts/bench_ray.py                      # all rows
     python scripts/bench_ray.py --rows c --json ray.json
@@ -53,7 +63,8 @@ import bench_loaders  # noqa: E402
 
 import kpipe  # noqa: E402
 
-_ROWS = ("b", "c", "blas", "fit")
+_ROWS = ("b", "c", "blas", "fit", "shrink")
+_FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 3}
 
 
 def rate(loader, epochs):
@@ -123,7 +134,8 @@ def main(argv=None):
 
     # the head node is this process's (its object store is read without a copy here); "head"
     # pins actors to it, "io" to the two other nodes
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 2}})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 2},
+                                                            **({"_system_config": _FAST_HEALTH} if args.quick else {})})
     nodes = [cluster.add_node(num_cpus=8, resources={"io": 8}) for _ in range(2)] if "c" in rows else []
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     results, tmpdir = [], tempfile.mkdtemp(prefix="kpipe-bench-ray-")
@@ -157,6 +169,7 @@ def main(argv=None):
                 for arm, make in arms.items():
                     results.append({"row": "fit", "arm": arm, "rate": fit_rate(make, steps, 1 if args.quick else 3), "unit": "steps/s"})
                     print(f"  fit: {arm:<26} {results[-1]['rate']:10.1f} steps/s", flush=True)
+        shrunk = shrink(cluster, args.quick) if "shrink" in rows else None
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -171,12 +184,91 @@ def main(argv=None):
         _bench.print_table(columns, main_rows)
     _print_blas(table)
     checks = _checks(table)
+    if shrunk is not None:
+        _print_shrink(shrunk)
+        checks += [("(shrink) steps/s on the 2 actors left after a node loss >= 0.9x 2 actors from the start",
+                    shrunk["left"] / shrunk["only_left"], 0.9),
+                    ("(shrink) steps/s once the node is back >= 0.9x before the loss", shrunk["back"] / shrunk["before"], 0.9)]
     print("\nTargets:")
     bench_loaders.print_checks(checks)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "table": table, "checks": checks, "nodes": [n.node_id for n in nodes]}, f, indent=2)
+            json.dump({"results": results, "table": table, "checks": checks, "nodes": [n.node_id for n in nodes],
+                       "shrink": shrunk}, f, indent=2)
     return 0
+
+
+def shrink(cluster, quick):
+    """The shrink row (see the module's docstring): steps/s through a node loss and return."""
+    spot = {"spot": 1}
+    nodes = [cluster.add_node(num_cpus=2, resources={"spot": 2}) for _ in range(2)]
+    n, steady = (16, 24) if quick else (32, 96)  # batches a pass; batches a steady rate is taken over
+    data = lambda: bench_loaders.Waits(n=n, batch=16)  # noqa: E731
+    out = {"method": f"batches read in plan order, {n} a pass; rates: batches/s over {steady} batches"}
+    try:
+        with kpipe.ProcessLoader(data(), workers=kpipe.RayWorkers(2, resources=spot), max_queue_size=8) as loader:
+            out["only_left"] = _rate(_Reader(loader), steady, warm=n)
+        with kpipe.ProcessLoader(data(), workers=kpipe.RayWorkers(4, resources=spot), max_queue_size=8) as loader:
+            reader, backend = _Reader(loader), kpipe._stream.source_of(loader).backend
+            out["before"] = _rate(reader, steady, warm=n)
+            victim = next(node for node in nodes if node.node_id == backend.nodes()[0])
+            t_loss = time.perf_counter()
+            cluster.remove_node(victim, allow_graceful=False)  # 2 actors lost; no room for their replacements
+            nodes.remove(victim)
+            times = [reader.next() for _ in range(steady)]
+            out["longest_wait_s"] = max(b - a for a, b in zip([t_loss] + times, times))
+            out["left"] = _rate(reader, steady)
+            out["lost_s"] = (times[-1] - t_loss) - steady / out["left"]  # against the steady rate on the 2 left
+            t_back = time.perf_counter()
+            nodes.append(cluster.add_node(num_cpus=2, resources={"spot": 2}))  # (`ray start` again)
+            while sum(a["state"] == "live" for a in backend.actors()) < 4:  # (read on: the loader takes them in)
+                reader.next()
+                if time.perf_counter() - t_back > 300:
+                    raise RuntimeError(f"the replacements were not placed within 300 s: {backend.actors()}")
+            out["placed_after_s"] = time.perf_counter() - t_back
+            out["back"] = _rate(reader, steady, warm=n)
+    finally:
+        for node in nodes:
+            cluster.remove_node(node)
+    for key in ("only_left", "before", "left", "back"):
+        print(f"  shrink: {key:<10} {out[key]:8.1f} steps/s", flush=True)
+    return out
+
+
+class _Reader:
+    """Reads a loader's batches in plan order, pass after pass; `next()` returns the time
+    each arrived."""
+
+    def __init__(self, loader):
+        self.loader, self.i = loader, 0
+
+    def next(self):
+        bench_loaders.consume([self.loader[self.i]], [0, 0, None, 0])
+        self.i += 1
+        if self.i == len(self.loader):
+            self.i = 0
+            self.loader.on_epoch_end()
+        return time.perf_counter()
+
+
+def _rate(reader, count, warm=0):
+    for _ in range(warm):
+        reader.next()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        t = reader.next()
+    return count / (t - t0)
+
+
+def _print_shrink(out):
+    print(f"\nshrink: a node lost at full capacity ({out['method']})")
+    print(f"  4 actors before the loss        {out['before']:8.1f} steps/s")
+    print(f"  longest wait for a batch after   {out['longest_wait_s']:8.2f} s   (time lost against the steady rate: "
+          f"{out['lost_s']:.2f} s)")
+    print(f"  2 actors left                    {out['left']:8.1f} steps/s   ({out['left'] / out['only_left']:.2f}x 2 actors "
+          f"from the start: {out['only_left']:.1f})")
+    print(f"  node back (placed after {out['placed_after_s']:5.1f} s) {out['back']:8.1f} steps/s   "
+          f"({out['back'] / out['before']:.2f}x before the loss)")
 
 
 def _object_store(loader):

@@ -605,7 +605,10 @@ def test_bench_ray_quick_run_reports_every_row_and_its_target(tmp_path):
     assert all(r["best"] > 0 for r in result["table"])
     assert [r["arm"] for r in result["table"] if r["row"] == "b"] == [
         "process workers=2", "ray actors=2 (this node)", "ray actors=2 (object store)"]
-    assert [c[0].split(")")[0] for c in result["checks"]] == ["(b", "(c", "(blas", "(blas", "(blas", "(fit"]
+    assert [c[0].split(")")[0] for c in result["checks"]] == ["(b", "(c", "(blas", "(blas", "(blas", "(fit", "(shrink",
+                                                              "(shrink"]
+    shrunk = result["shrink"]  # a node lost at full capacity and added back: every figure measured
+    assert all(shrunk[k] > 0 for k in ("only_left", "before", "left", "back", "longest_wait_s", "placed_after_s"))
     c_actors = [r for r in result["results"] if r["row"] == "c" and r["arm"].startswith("ray")]
     assert all(len(r["actor_nodes"]) == 2 for r in c_actors)  # spread over the two "io" nodes
 

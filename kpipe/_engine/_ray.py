@@ -53,11 +53,18 @@ epoch-hook rule), so only the backend changes (the protocol in `_backend.py`):
 * Placement: `num_cpus` per actor and `resources` (a custom resource the CPU-only
   preprocessing nodes were started with: `ray start --resources='{"preprocess": 8}'`);
   actors that cannot be placed within `timeout` are a named error, never a hang.
-* Faults: an actor (or its node) lost while loading is replaced -- a new actor with the
-  same id and the current state -- and its pending batches are loaded again there, in
-  order: batches are pure functions of (dataset state, index, seed), so every batch is
-  delivered once, the same as it would have been. An exception in `__getitem__` is raised
-  in the main process with its type and the remote traceback, as from a process worker.
+* Faults: an actor (or its node) lost while loading costs throughput, not the run. Its
+  batches not fetched yet go to the live actors, in order, each under the state it was
+  submitted under (batches are pure functions of (dataset state, index, seed): every batch
+  is delivered once, the same as it would have been), with the actors of every node Ray
+  marked dead; a replacement of each (same id, current state) is asked of Ray without a
+  wait: placed at once where there is room, else when capacity returns (a node added back,
+  the autoscaler), it takes tasks once ready (polled at each submit and read). One warning
+  says what is waited for. Only when no actor was live for `timeout` (batches waiting for
+  one) is it the named `BatchTimeoutError` of actors not placed; then, as on every failure
+  path, the actors and pending creations are killed (`_fail` -> `close`). An exception in
+  `__getitem__` is raised in the main process with its type and the remote traceback, as
+  from a process worker.
 * The actor count (`RayWorkers("auto")`): the controller of `workers="auto"` (NOTE in
   `_autoscale.py`) with the CPUs and the actor count the cluster's live nodes offer this
   spec (`capacity()`). Added actors take tasks once Ray placed them and they are ready
@@ -72,19 +79,16 @@ epoch-hook rule), so only the backend changes (the protocol in `_backend.py`):
   with the last loader that used it; a cluster it connected to is left running.
 """
 
-import collections
-import functools
 import itertools
 import logging
-import os
 import sys
 import time
 import weakref
 
-from kpipe._engine import _pickling, _procs, _ray_actor, _shm, _tree
+from kpipe._engine import _pickling, _procs, _ray_actor, _ray_slots, _shm, _tree
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._backend import Backend
-from kpipe._engine._ray_cluster import connect, disconnect
+from kpipe._engine._ray_cluster import capacity, connect, describe, disconnect
 from kpipe._engine._ray_cluster import ray_module as _ray
 from kpipe._engine._worker import rebuild_exception
 from kpipe.errors import BatchTimeoutError, LoaderClosedError, LoaderError, WorkerDiedError
@@ -95,12 +99,12 @@ _MAX_REPLACEMENTS = 8  # actors replaced in a row without a batch delivered: the
 _CALL_COST_S = 0.005  # batches taking less time than this (without waiting for a CPU) share calls...
 _SMALL_BATCH_BYTES = 4 << 20  # ...if they are this small (more batches in flight cost little memory)
 MAX_PER_CALL = 8  # at most this many per call
-_WORKERS_PER_CPU = 8  # actors reserving no resource, per CPU of a node (as `_autoscale.WORKERS_PER_CPU`)
 logger = logging.getLogger("kpipe")
 
 
 class _Actor:
-    __slots__ = ("id", "handle", "pid", "node", "pools", "pending", "outbox", "last_task", "starting", "retiring")
+    __slots__ = ("id", "handle", "pid", "node", "pools", "pending", "outbox", "last_task", "starting", "retiring",
+                 "replacing", "loads")
 
     def __init__(self, wid, handle):
         self.id, self.handle = wid, handle
@@ -110,6 +114,8 @@ class _Actor:
         self.last_task = -1
         self.starting = None  # (ready ref, since): added while running, not placed and ready yet
         self.retiring = False  # takes no new task; stopped once its pending ones are answered
+        self.replacing = False  # stands for a lost actor: waits to be placed as long as it takes
+        self.loads = 0  # batches it delivered
 
 
 class RayBackend(Backend):
@@ -140,15 +146,14 @@ class RayBackend(Backend):
         self._seq = itertools.count()
         self._finalizer = weakref.finalize(self, _kill_all, self._actors, self._started)
         self.timings = [0, 0.0, 0.0, 0.0]  # batches done; their wall, CPU and run-queue seconds
-        self._failures = 0
+        self._failures = 0  # actors lost in a row without a batch delivered
+        self._start_failures = 0  # replacements that failed to start, in a row
+        self._homeless = []  # seqs waiting for a live actor (none is: `_await_live`), in order
+        self._none_live_since = None  # since when no actor was live (a lost one's batches had nowhere to go)
+        self._warned = False  # the warning of actors lost and waited for was given (until all are back)
         # Actors on this node hand batches over in shared-memory slots (see the NOTE):
         self._node = ray.get_runtime_context().get_node_id()
-        self.slots_reachable = True  # False once an actor's slot could not be opened here
-        self._segments = {}  # (actor pid, slot) -> this process's Segment of that slot
-        self._released = collections.deque()  # (actor pid, slot) the consumer let go of (any thread)
-        self._free = {}  # actor pid -> slots released, to tell it with its next task
-        self._orphans = []  # refs of discarded tasks: their slots are released when they end
-        self._segments_finalizer = weakref.finalize(self, _close_segments, self._segments)
+        self._slots = _ray_slots.Slots(name)
         try:
             self._payload, _ = _pickling.dumps(target, None, what=f"`{name}`")
             self._sent_fingerprint = _pickling.state_fingerprint(target)  # (see same_state)
@@ -172,16 +177,28 @@ class RayBackend(Backend):
         try:
             answers = ray.get(refs, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
-            raise BatchTimeoutError(
-                f"The Ray actors of `{self.name}` did not start within timeout={self.timeout} s: they need "
-                f"num_cpus={self._spec.num_cpus}" + (f" and resources={self._spec.resources}" if self._spec.resources else "")
-                + f" each, and the cluster has {_describe(ray.available_resources())} free "
-                f"(of {_describe(ray.cluster_resources())}). Add nodes with these resources or ask for less."
-            ) from None
+            raise self._not_started() from None
         except ray.exceptions.RayActorError as exc:
             raise LoaderError(f"A Ray actor of `{self.name}` failed while starting: {exc}") from exc
         for actor, (pid, node, pools) in zip(actors, answers):
             actor.pid, actor.node, actor.pools = pid, node, pools
+
+    def _not_started(self, lost=False):
+        ray = _ray()
+        return BatchTimeoutError(
+            f"The Ray actors of `{self.name}` did not start within timeout={self.timeout} s"
+            + (" (and none was live meanwhile: the others were lost)" if lost else "") + ": they need "
+            f"num_cpus={self._spec.num_cpus}" + (f" and resources={self._spec.resources}" if self._spec.resources else "")
+            + f" each, and the cluster has {describe(ray.available_resources())} free "
+            f"(of {describe(ray.cluster_resources())}). Add nodes with these resources or ask for less.")
+
+    def actors(self):
+        """Each actor as the loader saw it at its last submit or read (a snapshot, safe
+        from another thread): a dict of `id`, `pid`, `node`, `loads` (batches delivered)
+        and `state`: "live", "starting" (not placed or not ready yet: added by
+        `RayWorkers("auto")`, or replacing a lost actor) or "retiring"."""
+        return [{"id": a.id, "pid": a.pid, "node": a.node, "loads": a.loads,
+                 "state": "retiring" if a.retiring else "starting" if a.starting else "live"} for a in list(self._actors)]
 
     @property
     def num_workers(self):
@@ -190,32 +207,15 @@ class RayBackend(Backend):
 
     @property
     def pids(self):
-        return [a.pid for a in self._actors if a.pid is not None]
+        return [a.pid for a in self._actors if a.starting is None and a.pid is not None]
 
     def nodes(self):
         """The Ray node id of each actor that started, by worker id."""
-        return [a.node for a in self._actors if a.pid is not None]
+        return [a.node for a in self._actors if a.starting is None and a.pid is not None]
 
     def capacity(self):
-        """`(cpus, actors)`: the CPUs of the live nodes where these actors fit, and how
-        many actors of this spec (`num_cpus`, `resources`) those nodes hold in all -- what
-        `RayWorkers("auto")` may use (see the NOTE in `_autoscale.py`). Actors that
-        reserve nothing count 8 per CPU, as I/O-bound processes do."""
-        need = dict(self._spec.resources or {})
-        if self._spec.num_cpus:
-            need["CPU"] = self._spec.num_cpus
-        cpus, actors = 0.0, 0
-        for node in _ray().nodes():
-            have = node.get("Resources") or {}
-            if not node.get("Alive") or any(have.get(k, 0) < v for k, v in need.items()):
-                continue
-            node_cpus = float(have.get("CPU", 0))
-            fit = min((int(have.get(k, 0) // v + 1e-9) for k, v in need.items()), default=None)
-            if fit is None:
-                fit = int(_WORKERS_PER_CPU * max(1.0, node_cpus))
-            actors += fit
-            cpus += min(node_cpus, fit * max(1.0, float(self._spec.num_cpus)))
-        return cpus, actors
+        """`(cpus, actors)` the cluster's live nodes offer this spec (`_ray_cluster.capacity`)."""
+        return capacity(self._spec)
 
     # ------------------------------------------------------ changing the actor count
     def add_worker(self, count=1):
@@ -242,7 +242,7 @@ class RayBackend(Backend):
         live = [a for a in self._actors if not a.retiring]
         if len(live) <= 1:
             return None
-        actor = max(live, key=lambda a: a.id)
+        actor = max(live, key=lambda a: (a.starting is not None, a.id))  # one not placed yet first
         actor.retiring = True
         self._send(actor)  # what it was given is still loaded
         if not actor.pending:
@@ -250,8 +250,12 @@ class RayBackend(Backend):
         return actor.id
 
     def _stop(self, actor):
-        self._forget_slots(actor.pid)
         self._actors.remove(actor)
+        self._forget_actor(actor)
+
+    def _forget_actor(self, actor):
+        """Kills `actor` (a pending creation is cancelled) and closes its slots here."""
+        self._slots.forget(actor.pid)
         try:
             _ray().kill(actor.handle, no_restart=True)
         except Exception:  # noqa: BLE001 -- already gone
@@ -270,17 +274,31 @@ class RayBackend(Backend):
             if ref in ready:
                 try:
                     actor.pid, actor.node, actor.pools = ray.get(ref)
-                    actor.starting = None
+                    actor.starting, self._none_live_since = None, None
+                    self._start_failures = 0 if actor.replacing else self._start_failures
                     continue
                 except ray.exceptions.RayError as exc:
                     why = f"{type(exc).__name__}: {exc}"
-            elif self.timeout is not None and time.monotonic() - since > self.timeout:
-                why = (f"not placed within timeout={self.timeout} s (the cluster has {_describe(ray.available_resources())}"
-                       " free)")
+            elif actor.replacing or self.timeout is None or time.monotonic() - since <= self.timeout:
+                continue  # (a replacement waits for capacity as long as it takes: `_await_live` bounds the wait)
             else:
+                why = (f"not placed within timeout={self.timeout} s (the cluster has {describe(ray.available_resources())}"
+                       " free)")
+            if actor.replacing:  # (e.g. its node was lost while it started): asked of Ray again
+                self._start_failures += 1
+                if self._start_failures > _MAX_REPLACEMENTS:
+                    self._fail(LoaderError(f"{_MAX_REPLACEMENTS} Ray actors of `{self.name}` failed in a row while "
+                                           f"starting; the last: {why}"))
+                self._forget_actor(actor)
+                self._actors[self._actors.index(actor)] = self._replacement(actor.id)
                 continue
             logger.warning("ProcessLoader(%s): a Ray actor added by workers='auto' was dropped: %s", self.name, why)
             self._stop(actor)
+        if self._homeless and any(a.starting is None and not a.retiring for a in self._actors):
+            homeless, self._homeless = self._homeless, []
+            self._route(homeless)  # (the batches that waited for a live actor, first)
+        if not any(a.replacing and a.starting for a in self._actors):
+            self._warned = False  # (every lost actor is back: a later loss is told again)
 
     @property
     def worker_threads(self):
@@ -293,40 +311,87 @@ class RayBackend(Backend):
         return [{"worker": a.id, "pid": a.pid, "node": a.node,
                  **(a.pools or {"threads": None, "pools": [], "not_limited": []})} for a in self._actors]
 
-    def _replace(self, actor, why):
-        """Starts a new actor for `actor`'s id and sends it its pending tasks again, in order,
-        each under the state it was submitted under (`send_state` may have queued newer
-        ones behind it); the actor ends on the current state."""
-        ray = _ray()
-        self._failures += 1
+    def _replacement(self, wid):
+        """A new actor for worker `wid`, on the current state, asked of Ray without waiting:
+        it takes tasks once placed and ready (`_poll_starting`), however long that takes."""
+        actor = self._start(wid)
+        actor.starting, actor.replacing = (actor.handle.ready.remote(), time.monotonic()), True
+        return actor
+
+    def _lose(self, actor, why):
+        """`actor` was lost, with the other actors on nodes Ray marked dead: a replacement
+        of each is asked of Ray in the background, and their batches not fetched yet go to
+        the live actors, in order, each under the state it was submitted under (with none
+        live, they wait for one: `_await_live`)."""
+        self._failures += 1  # (a node lost is one failure, however many actors it held)
         if self._failures > _MAX_REPLACEMENTS:
             self._fail(WorkerDiedError(f"{_MAX_REPLACEMENTS} Ray actors of `{self.name}` were lost in a row "
                                        f"without a batch delivered; the last: {why}"))
-        try:
-            ray.kill(actor.handle, no_restart=True)
-        except Exception:  # noqa: BLE001 -- already gone
-            pass
-        again = [seq for seq in actor.pending if seq not in self._done]  # (fetched ones are in hand)
-        state = self._tasks[again[0]][4] if again else self._payload_ref
-        new = self._start(actor.id, state)
-        new.retiring = actor.retiring
-        self._wait_ready([new])
-        self._actors[self._actors.index(actor)] = new
-        self._forget_slots(actor.pid)
-        for seq in actor.pending:
-            self._tasks[seq][2] = new
-        new.pending, actor.pending, actor.outbox = actor.pending, [], []
-        for seq in again:  # in calls of batches submitted under the same state, in order
+        dead = {n["NodeID"] for n in _ray().nodes() if not n.get("Alive")}
+        lost = [actor] + [a for a in self._actors if a is not actor and a.starting is None and a.node in dead]
+        again, replaced = [], False
+        for one in lost:
+            self._forget_actor(one)
+            again += [seq for seq in one.pending if seq not in self._done]
+            one.pending, one.outbox = [seq for seq in one.pending if seq in self._done], []  # (fetched: in hand)
+            if one in self._actors:
+                index = self._actors.index(one)
+                if one.retiring:
+                    del self._actors[index]
+                else:
+                    self._actors[index], replaced = self._replacement(one.id), True
+        if replaced:
+            self._warn_lost(actor, why, len(lost), len(again))
+        self._route(sorted(again))
+
+    def _warn_lost(self, actor, why, lost, count):
+        """Warns once (until every lost actor is back) of what the loader waits for."""
+        if self._warned:
+            return
+        self._warned, ray = True, _ray()
+        live = sum(a.starting is None and not a.retiring for a in self._actors)
+        logger.warning(
+            "ProcessLoader(%s): Ray actor %s (pid %s) was lost (%s), %d in all with those on nodes Ray marked dead. "
+            "%s; waiting for Ray to place a replacement of each (num_cpus=%s%s; the cluster has %s free): each takes "
+            "batches once ready. Loading fails only if no actor is live for timeout=%s s.",
+            self.name, actor.id, actor.pid, why, lost,
+            f"Loading goes on with the {live} live actors, which load their {count} batches in flight again" if live
+            else f"No actor is live: their {count} batches in flight wait for one", self._spec.num_cpus,
+            f", resources={self._spec.resources}" if self._spec.resources else "", describe(ray.available_resources()),
+            self.timeout)
+
+    def _route(self, seqs):
+        """Sends the tasks `seqs` (in order) to the live actors, the least loaded first;
+        with none live, they wait for one."""
+        live, sent = [a for a in self._actors if a.starting is None and not a.retiring], {}
+        for seq in seqs:
             task = self._tasks[seq]
-            if task[4] is not state or len(new.outbox) >= self.batches_per_call():
-                self._send(new)
-                if task[4] is not state:
-                    state = task[4]
-                    new.handle.set_target.remote(state)
-            new.outbox.append(seq)
-        self._send(new)
-        if state is not self._payload_ref:
-            new.handle.set_target.remote(self._payload_ref)
+            task[2] = task[3] = None
+            if not live:
+                self._homeless.append(seq)
+                continue
+            actor = task[2] = min(live, key=lambda a: (len(a.pending), a.last_task))
+            actor.pending.append(seq)
+            actor.outbox.append(seq)
+            sent[id(actor)] = actor
+        self._homeless.sort()
+        if self._homeless and self._none_live_since is None:
+            self._none_live_since = time.monotonic()
+        for actor in sent.values():
+            self._send(actor)
+
+    def _await_live(self):
+        """No actor is live: waits for one starting to be ready (then the batches that
+        waited go to it), or fails once none was live for `timeout` (as at the start)."""
+        ray = _ray()
+        since = self._none_live_since or time.monotonic()
+        while self._homeless:
+            starting = [a.starting[0] for a in self._actors if a.starting is not None]
+            left = None if self.timeout is None else since + self.timeout - time.monotonic()
+            if not starting or (left is not None and left <= 0):
+                self._fail(self._not_started(lost=True))
+            ray.wait(starting, num_returns=1, timeout=1.0 if left is None else min(left, 1.0))
+            self._poll_starting()
 
     # ------------------------------------------------------------------ protocol
     def submit(self, key, inputs=None, seed=None):
@@ -334,6 +399,10 @@ class RayBackend(Backend):
         seq = next(self._seq)
         self._poll_starting()
         ready = [a for a in self._actors if not a.retiring and a.starting is None]
+        if not ready:  # (every actor was lost: the batch waits for one, `_await_live`)
+            self._tasks[seq] = [key, seed, None, None, self._payload_ref, 0]
+            self._route([seq])
+            return seq
         actor = min(ready, key=lambda a: (len(a.pending), a.last_task))
         actor.last_task = seq
         actor.pending.append(seq)
@@ -359,13 +428,24 @@ class RayBackend(Backend):
         return max(1, min(MAX_PER_CALL, int(_CALL_COST_S / max(own, 1e-6))))
 
     def _send(self, actor):
-        """Sends `actor` the batches of its outbox, in one call."""
+        """Sends `actor` the batches of its outbox, in calls of batches submitted under one
+        state (at most `batches_per_call`). Every actor's queue ends on the current state:
+        a call of batches submitted under an older one (a lost actor's, sent again) goes
+        between that state and the current one."""
         seqs, actor.outbox = actor.outbox, []
-        if not seqs:
-            return
-        ref = self._load(actor, [(self._tasks[seq][0], self._tasks[seq][1]) for seq in seqs])
-        for j, seq in enumerate(seqs):
-            self._tasks[seq][3], self._tasks[seq][5] = ref, j
+        per = self.batches_per_call()
+        while seqs:
+            state, n = self._tasks[seqs[0]][4], 1
+            while n < min(per, len(seqs)) and self._tasks[seqs[n]][4] is state:
+                n += 1
+            call, seqs = seqs[:n], seqs[n:]
+            if state is not self._payload_ref:
+                actor.handle.set_target.remote(state)
+            ref = self._load(actor, [(self._tasks[seq][0], self._tasks[seq][1]) for seq in call])
+            for j, seq in enumerate(call):
+                self._tasks[seq][3], self._tasks[seq][5] = ref, j
+            if state is not self._payload_ref:
+                actor.handle.set_target.remote(self._payload_ref)
 
     def _busy(self, actor):
         """Whether `actor` has a call sent and not fetched yet that a batch still waits for."""
@@ -379,73 +459,33 @@ class RayBackend(Backend):
     def _load(self, actor, items):
         """`actor.load_many.remote(items, ...)`, telling it the slots the consumer let go
         of, and whether the batches may stay on this node in slots."""
-        released = self._released
-        while released:
-            pid, slot = released.popleft()
-            self._free.setdefault(pid, []).append(slot)
-        self._reap_orphans()
-        local = self.slots_reachable and actor.node == self._node
-        return actor.handle.load_many.remote(items, self._free.pop(actor.pid, ()), local)
+        released = self._slots.released_for(actor.pid)
+        local = self._slots.reachable and actor.node == self._node
+        return actor.handle.load_many.remote(items, released, local)
 
-    def _slot_views(self, slot, actor):
-        """The arrays of a batch left in `actor`'s slot: views of this process's mapping
-        of it (its descriptor opened through /proc once per slot), each holding a lease
-        that tells the actor, with its next task, that the slot is free again. None where
-        the slot cannot be opened here (then every later batch uses the object store)."""
-        index, fd, pid, layout = slot
-        segment = self._segments.get((pid, index))
-        if segment is None:
-            try:
-                segment = _shm.Segment(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC))
-            except OSError as exc:
-                said, self.slots_reachable = not self.slots_reachable, False
-                if said:  # (batches already in slots come this way too: said once)
-                    return None
-                logger.warning("ProcessLoader(%s): cannot open the shared memory of Ray actor %s (pid %s) on this "
-                               "node (%s): batches come through Ray's object store from now on.", self.name,
-                               actor.id, pid, exc)
-                return None
-            self._segments[(pid, index)] = segment
-        lease = _shm.Lease(functools.partial(self._released.append, (pid, index)))
-        return segment.views(layout, lease=lease, writable=True), [(d, s) for _, _, d, s in layout]
+    @property
+    def slots_reachable(self):
+        """False once an actor's slot could not be opened here (batches then take the object store)."""
+        return self._slots.reachable
+
+    @slots_reachable.setter
+    def slots_reachable(self, value):
+        self._slots.reachable = value
 
     def local_slots(self):
         """Slots of actors on this node mapped here now (each is reused once released)."""
-        return len(self._segments)
-
-    def _forget_slots(self, pid):
-        """An actor is gone: this process's descriptors of its slots are closed (arrays
-        still viewing them keep their mappings), and what was released for it is dropped."""
-        self._free.pop(pid, None)
-        for key in [k for k in self._segments if k[0] == pid]:
-            self._segments.pop(key).close()
-
-    def _reap_orphans(self):
-        """Releases the slots of discarded batches whose calls ended (they are unused)."""
-        if not self._orphans:
-            return
-        ray = _ray()
-        refs = list({id(ref): ref for ref, _ in self._orphans}.values())
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        done = {id(ref) for ref in done}
-        orphans, self._orphans = self._orphans, []
-        for ref, j in orphans:
-            if id(ref) not in done:
-                self._orphans.append((ref, j))
-                continue
-            try:
-                kind, value = ray.get(ref)[0][j]
-            except Exception:  # noqa: BLE001 -- the call failed: no slot was kept
-                continue
-            if kind == "ok" and value[3] is not None:
-                self._released.append((value[3][2], value[3][0]))
+        return self._slots.count()
 
     def get(self, seq, on_starved=None):
         ray = _ray()
         self._check_open()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while seq not in self._done:
+            self._poll_starting()  # (replacements placed since take tasks)
             key, _, actor, ref, _, _ = self._tasks[seq]
+            if actor is None:  # no actor is live: it waits for one
+                self._await_live()
+                continue
             if ref is None:
                 self._send(actor)
                 ref = self._tasks[seq][3]
@@ -461,7 +501,8 @@ class RayBackend(Backend):
                     f"{actor.id} (pid {actor.pid}). If batches are legitimately this slow, raise `timeout`; otherwise "
                     "look for a hang in __getitem__. The loader stopped its actors; using it again starts new ones."))
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
-                self._replace(actor, f"{type(exc).__name__} while loading batch {key}")
+                self._lose(actor, f"{type(exc).__name__} while loading batch {key}")
+                deadline = None if self.timeout is None else time.monotonic() + self.timeout  # (sent again)
                 continue
             except ray.exceptions.RayTaskError as exc:  # (the actor catches a batch's exceptions; this is Ray's)
                 self._fail(LoaderError(f"Ray actor {actor.id} (pid {actor.pid}) of `{self.name}` failed while "
@@ -476,12 +517,13 @@ class RayBackend(Backend):
             error.kpipe_batch_index = key
             raise error
         if kind == "reload":  # its slot cannot be opened here: loaded again through the object store
-            self._tasks[seq][3] = None
-            actor.outbox.append(seq)
+            actor.pending.remove(seq)
+            self._route([seq])
             return self.get(seq, on_starved)
         treedef, leaves, meta, (busy, cpu, runq) = value
         self._forget(seq)
         self._failures = 0
+        actor.loads += 1
         self._last_bytes = sum(leaf.nbytes for leaf in leaves)
         t = self.timings
         t[0], t[1], t[2], t[3] = t[0] + 1, t[1] + busy, t[2] + cpu, t[3] + runq
@@ -506,15 +548,16 @@ class RayBackend(Backend):
         treedef, leaves, timings, slot = value
         if slot is None:
             return "ok", (treedef, leaves, [(_shm.dtype_token(a.dtype), a.shape) for a in leaves], timings)
-        views = self._slot_views(slot, actor)
+        views = self._slots.views(slot, actor)
         if views is None:
-            self._released.append((slot[2], slot[0]))
             return "reload", None
         return "ok", (treedef, views[0], views[1], timings)
 
     def _forget(self, seq):
         task = self._tasks.pop(seq)
         actor = task[2]
+        if actor is None:
+            return
         try:
             actor.pending.remove(seq)
         except ValueError:
@@ -528,10 +571,12 @@ class RayBackend(Backend):
             return
         actor, ref = task[2], task[3]
         if self._done.pop(seq, None) is None:  # (a batch fetched: its views go, and its slot with them)
-            if ref is None:
+            if actor is None:
+                self._homeless.remove(seq)
+            elif ref is None:
                 actor.outbox.remove(seq)
             else:
-                self._orphans.append((ref, task[5]))  # (a slot it fills is released when its call ends)
+                self._slots.orphan(ref, task[5])  # (a slot it fills is released when its call ends)
         self._forget(seq)
 
     def reset_target(self, target, dumped=None):
@@ -543,18 +588,19 @@ class RayBackend(Backend):
         self._payload, self._payload_ref = payload, ray.put(payload)
         if target is not None:
             self._sent_fingerprint = dumped[2] if dumped is not None and len(dumped) > 2 else self.fingerprint(target)
-        refs = [a.handle.set_target.remote(self._payload_ref) for a in self._actors]
+        refs = [(a, a.handle.set_target.remote(self._payload_ref)) for a in self._actors]
+        refs = [(a, ref) for a, ref in refs if a.starting is None]  # (those starting take it once placed)
         try:
-            ray.get(refs, timeout=self.timeout)
+            ray.get([ref for _, ref in refs], timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
             self._fail(BatchTimeoutError(f"The Ray actors of `{self.name}` did not take the new state of the dataset "
                                          f"(after on_epoch_end) within timeout={self.timeout} s."))
         except ray.exceptions.RayActorError:
-            for actor in list(self._actors):  # a lost actor: its replacement starts from the new state
+            for actor, ref in refs:  # a lost actor: its replacement starts from the new state
                 try:
-                    ray.get(actor.handle.ready.remote(), timeout=self.timeout)
+                    ray.get(ref, timeout=self.timeout)
                 except ray.exceptions.RayActorError:
-                    self._replace(actor, "lost while taking the new state")
+                    self._lose(actor, "lost while taking the new state")
 
     def send_state(self, payload, keys):
         """Queues a new state (`dump` output) behind each actor's tasks, without waiting:
@@ -594,17 +640,11 @@ class RayBackend(Backend):
 
     def close(self, force=False):
         self.closed = True
+        self._homeless.clear()
         self._tasks.clear()
         self._done.clear()
-        self._orphans.clear()
         self._finalizer()
-        self._segments_finalizer()  # (arrays still viewing slots keep their mappings)
-
-
-def _close_segments(segments):
-    for segment in segments.values():
-        segment.close()
-    segments.clear()
+        self._slots.close()  # (arrays still viewing slots keep their mappings)
 
 
 def _kill_all(actors, started):
@@ -621,6 +661,3 @@ def _kill_all(actors, started):
         actors.clear()
         disconnect(started)
 
-
-def _describe(resources):
-    return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:")) or "nothing"

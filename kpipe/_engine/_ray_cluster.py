@@ -12,6 +12,7 @@ from kpipe.errors import LoaderError
 
 _CONNECT_LOCK = threading.Lock()
 _STARTED = {"count": 0, "by_kpipe": False}  # loaders using a Ray instance kpipe started
+_WORKERS_PER_CPU = 8  # actors reserving no resource, per CPU of a node (as `_autoscale.WORKERS_PER_CPU`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,3 +123,30 @@ def disconnect(started):
         if _STARTED["count"] <= 0 and _STARTED["by_kpipe"] and ray.is_initialized():
             ray.shutdown()
             _STARTED["by_kpipe"] = False
+
+
+def capacity(spec):
+    """`(cpus, actors)`: the CPUs of the live nodes where actors of `spec` (a
+    `RayWorkers`: `num_cpus`, `resources`) fit, and how many of them those nodes hold in
+    all -- what `RayWorkers("auto")` may use (see the NOTE in `_autoscale.py`). Actors
+    that reserve nothing count 8 per CPU, as I/O-bound processes do."""
+    need = dict(spec.resources or {})
+    if spec.num_cpus:
+        need["CPU"] = spec.num_cpus
+    cpus, actors = 0.0, 0
+    for node in ray_module().nodes():
+        have = node.get("Resources") or {}
+        if not node.get("Alive") or any(have.get(k, 0) < v for k, v in need.items()):
+            continue
+        node_cpus = float(have.get("CPU", 0))
+        fit = min((int(have.get(k, 0) // v + 1e-9) for k, v in need.items()), default=None)
+        if fit is None:
+            fit = int(_WORKERS_PER_CPU * max(1.0, node_cpus))
+        actors += fit
+        cpus += min(node_cpus, fit * max(1.0, float(spec.num_cpus)))
+    return cpus, actors
+
+
+def describe(resources):
+    """Ray resources as `CPU=2, spot=1` (the per-node `node:...` markers left out)."""
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if not k.startswith("node:")) or "nothing"
