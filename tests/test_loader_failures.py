@@ -88,6 +88,46 @@ def test_unpicklable_dataset_raises_at_construction(no_leaks):
         assert loader[0].shape == (1,)
 
 
+
+_JAX_DATASET = textwrap.dedent("""
+    import jax.numpy as jnp
+    import numpy as np
+    import kpipe
+
+    class Held:  # a dataset holding a JAX array: unpickling it imports JAX, which starts threads
+        def __init__(self):
+            self.x = jnp.arange(8.0)
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return np.asarray(self.x[2 * i:2 * i + 2])
+
+    try:
+        with kpipe.ProcessLoader(Held(), workers=2, timeout=60) as loader:
+            loader[0]
+    except kpipe.LoaderError as error:
+        print("REFUSED", str(error).splitlines()[0])
+    with kpipe.ProcessLoader(Held(), workers=2, start_method="spawn", timeout=120) as loader:
+        print("SPAWN", [loader[i].tolist() for i in range(len(loader))])
+""")
+
+
+@pytest.mark.timeout(240)
+def test_a_dataset_whose_unpickling_starts_jax_is_refused_by_the_fork_server_and_runs_under_spawn(tmp_path):
+    # Forked from a fork server that imported JAX, the workers hung until the batch timeout.
+    pytest.importorskip("jax")
+    script = tmp_path / "held.py"
+    script.write_text(_JAX_DATASET)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), os.environ.get("PYTHONPATH")])), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refused = next(line for line in proc.stdout.splitlines() if line.startswith("REFUSED"))
+    assert "imported jax" in refused and 'start_method="spawn"' in refused
+    assert "SPAWN [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]" in proc.stdout
+
 def _h5(tmp_path):
     import h5py
 

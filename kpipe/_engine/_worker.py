@@ -392,6 +392,26 @@ def _fork_main(conn, parent_pid):
 _ZYGOTE_POLL_S = 0.2
 
 
+# Runtimes whose import starts threads that a forked child cannot do without (their locks
+# stay taken there): JAX says so itself ("os.fork() was called ... will likely lead to a
+# deadlock"), and PyTorch's intra-op pool does the same once used. BLAS/OpenMP pools are
+# fine: they re-initialise after fork (kpipe's thread budget, see _threads.py).
+_FORK_UNSAFE = ("jax", "torch")
+
+
+def _check_fork_safe(before):
+    """The fork server forks every worker: refuse, with the fix, a target whose unpickling
+    imported a runtime that forked workers would hang in (a dataset holding JAX arrays or
+    torch tensors). `before`: the modules imported before unpickling."""
+    imported = [m for m in _FORK_UNSAFE if m in sys.modules and m not in before]
+    if imported:
+        raise LoaderError(
+            f"Unpickling the dataset in kpipe's fork server imported {', '.join(imported)}, whose "
+            "runtime starts threads that workers forked from it would hang on (it holds JAX "
+            "arrays or torch tensors). Pass `start_method=\"spawn\"` to the loader, or hold "
+            "NumPy arrays in the dataset (np.asarray(...) in __init__).")
+
+
 def _zygote_main():
     """kpipe's fork server: a fresh interpreter (no TensorFlow, no `__main__` re-import)
     that unpickles the target once, then forks each worker on request.
@@ -416,7 +436,9 @@ def _zygote_main():
     _threads.preload()  # while the main process pickles the target
     try:
         try:
+            before = set(sys.modules)
             zygote.load(conn.recv()[1])
+            _check_fork_safe(before)
         except Exception as exc:
             conn.send(("init-error", pack_exception(exc)))
             return
