@@ -308,7 +308,7 @@ class Reader:
         first read of a pass no `on_epoch_end` preceded): what the dataset holds now reaches
         the workers if it changed since they got it (`ds.offset = 100` between passes; an
         array edited in place) -- batches loaded ahead under the old state are dropped.
-        One `dump` of the dataset per pass (what it costs: README, "What the fast paths
+        One `dump` of the dataset per pass (what it costs: docs/loader-in-depth.md, "What the fast paths
         assume"). Threads and `workers=0` share the dataset: nothing to send."""
         self._check_due = False
         backend = self.backend

@@ -82,7 +82,7 @@ class ProcessLoader(keras.utils.PyDataset):
             INFO on the `"kpipe"` logger. Each worker process gets a thread budget
             (`worker_threads`). `kpipe.RayWorkers(n, ...)`: n Ray actors, on other
             hosts too, or `RayWorkers("auto")` sized the same way within what the
-            cluster can place (README: "Loader workers beyond one host"). Defaults to 2.
+            cluster can place (docs/guides/ray.md). Defaults to 2.
         worker_threads: Threads each worker process's native pools may use -- BLAS
             and OpenMP (NumPy's OpenBLAS, MKL, scikit-image...), OpenCV
             (`cv2.setNumThreads`) and TensorFlow's intra/inter-op pools if the dataset
@@ -343,7 +343,7 @@ class ProcessLoader(keras.utils.PyDataset):
     def on_epoch_end(self):
         """Runs the dataset's `on_epoch_end` now, once, and ends the current pass if any of
         it was read (a loop that stops early starts the next pass at `loader[0]`). What the
-        hook or you changed on the dataset reaches the workers before the next pass (README,
+        hook or you changed on the dataset reaches the workers before the next pass (docs/loader-in-depth.md,
         "What the fast paths assume"). Keras's calls take kpipe's adapter (class docstring).
         """
         with self._reader.lock:

@@ -377,3 +377,13 @@ def test_the_browser_check_finds_links_that_do_not_resolve(tmp_path):
     (tmp_path / "guides" / "a.html").write_text(page)
     assert check.check_links(str(tmp_path), "guides/a.html", page) == [
         ("../index.html#gone", "no such anchor"), ("missing.html", "no such file")]
+
+
+def test_the_readme_is_a_front_page_of_at_most_200_lines_whose_links_resolve():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert len(readme.splitlines()) <= 200, "the README is the front page: move detail to a docs/ page"
+    targets = [m.group(1) for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme) if "://" not in m.group(1)]
+    assert any(t.startswith("docs/") for t in targets)
+    missing = [t for t in targets if not os.path.exists(os.path.join(ROOT, t))]
+    assert not missing, f"README links to files that do not exist: {missing}"

@@ -1,5 +1,5 @@
 """A dataset's epoch hooks through a ProcessLoader, call for call as plain Keras calls them
-on the same dataset (the README's rule and its one deviation), what each call loads, and
+on the same dataset (the rule in docs/loader-in-depth.md and its one deviation), what each call loads, and
 `loader[i]` against a plain PyDataset read by hand (issue 28)."""
 
 import os

@@ -1,5 +1,5 @@
 """`fit()`'s arguments with a `ProcessLoader` against plain Keras on the same `PyDataset`:
-one test per row of the README's audit table that other test files do not cover (the table
+one test per row of the audit table (docs/loader-in-depth.md) that other test files do not cover (the table
 names those). Each runs both and compares what the model trained on or what Keras said."""
 
 import contextlib

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     worker.add_argument("--host", default="127.0.0.1",
                         help="address under which the dispatcher and trainers reach this "
                              "worker (default: 127.0.0.1). The server listens on every "
-                             "network interface whatever it is (README: Security)")
+                             "network interface whatever it is (docs/security.md)")
     for p in (dispatcher, worker):
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                        help="show TensorFlow's start-up log, which is hidden by default")

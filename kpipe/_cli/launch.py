@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address written into TF_CONFIG, under which the workers reach "
                              "each other (default: 127.0.0.1). TensorFlow's servers listen "
                              "on every network interface whatever it is; kpipe warns when they "
-                             "do (README: Security)")
+                             "do (docs/security.md)")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="stop every worker after SECONDS and exit with 124")
     parser.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",

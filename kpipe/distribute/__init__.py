@@ -14,7 +14,7 @@ first use.
 * `scaled_learning_rate()` -- the linear scaling rule (see `kpipe.callbacks.Warmup`).
 * `chief_only()`, `chief_path()`, `per_worker_path()` -- files written by the chief only.
 * `launch()`, `LaunchResult`, `free_ports()`, `tf_configs()` -- local multi-worker jobs;
-  `OpenPortsWarning` -- a server listens on every network interface (README: Security).
+  `OpenPortsWarning` -- a server listens on every network interface (docs/security.md).
 * `ps_fit()`, `ParameterServerError` -- parameter-server training on the chief
   (`auto_strategy()` serves on `worker` and `ps` tasks).
 * `start_dispatcher()`, `start_worker()`, `via_data_service()` -- tf.data service.

@@ -13,7 +13,7 @@ dispatcher and to readers). The pip build registers one protocol, insecure `"grp
 (asking for `"grpc+local"` fails: "No credentials factory has been registered for
 protocol grpc+local. The available types are: [ grpc ]"). kpipe advertises `127.0.0.1` unless an address is
 given, and `start_dispatcher`/`start_worker` issue an `OpenPortsWarning` naming the port
-when the server listens on every interface; fence it with a firewall (README: Security).
+when the server listens on every interface; fence it with a firewall (docs/security.md).
 Imports TensorFlow lazily, inside the functions.
 """
 

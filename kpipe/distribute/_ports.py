@@ -28,7 +28,7 @@ class OpenPortsWarning(UserWarning):
     """A server of a local job listens on every network interface, not only loopback.
 
     TensorFlow's gRPC servers and tf.data service servers cannot bind a chosen address
-    (see the README's "Security" section); filter this warning once the ports are fenced
+    (see docs/security.md); filter this warning once the ports are fenced
     off by a firewall or a private network.
 
     Issued by `start_dispatcher()`, `start_worker()` and `launch()` (for the servers of
@@ -119,7 +119,7 @@ def open_ports_message(what: str, ports: Sequence[int], host: str,
     return (f"{what} {verb} on {listed}, on every network interface{named}, not only on {host}: "
             "TensorFlow's gRPC servers cannot bind one address, and they run any graph sent "
             "to them without authentication. Block these ports from other hosts (firewall, "
-            "private network; README: Security).")
+            "private network; docs/security.md).")
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
