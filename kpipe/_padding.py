@@ -51,7 +51,7 @@ class Padding:
             shapes: fewer `tf.function` traces; tensor-core friendly). Defaults to None.
         value: The pad value: a number for every padded leaf, or a dict of numbers by
             leaf name (a dict sample's key, a tuple sample's index, or a leaf path such as
-            "sample[0]['ids']"); leaves it does not name get 0. Defaults to 0.
+            `"sample[0]['ids']"`); leaves it does not name get 0. Defaults to 0.
         side: "right" (pad after, keep the head when truncating: Keras "post") or
             "left" (pad before, keep the tail: Keras "pre"). Defaults to "right".
         leaves: The leaf names to pad (see `value`); None: every leaf of rank >= 1 of
