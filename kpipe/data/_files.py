@@ -116,6 +116,23 @@ def from_files(
     directory = os.fsdecode(directory)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"`directory` {directory!r} is not an existing folder. Check the path.")
+    names, paths, labels = list_files(directory, class_names, extensions)
+    decoder = Decoder(None if image_size is None else tuple(image_size), channels, crop, tuple(scale), tuple(ratio),
+                      flip, float(center_fraction))
+    source = _FileSource(directory, names, paths, labels, decoder, on_error, seed)
+    ds = attach(source.build(shard), source, shard)
+    ds.class_names = list(names)
+    return ds
+
+
+def list_files(directory, class_names, extensions):
+    """Returns `(class names, paths, labels)` of the image folder, in sorted order.
+
+    Raises:
+        FileNotFoundError, ValueError: as `from_files` documents.
+    """
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"`directory` {directory!r} is not an existing folder. Check the path.")
     names = _class_names(directory, class_names)
     exts = tuple(e.lower() for e in extensions)
     paths, labels = [], []
@@ -131,12 +148,7 @@ def from_files(
             f"No images in the class folders of {directory!r} (classes {names}, extensions "
             f"{list(exts)}). Put image files in the class folders or change `extensions`."
         )
-    decoder = Decoder(None if image_size is None else tuple(image_size), channels, crop, tuple(scale), tuple(ratio),
-                      flip, float(center_fraction))
-    source = _FileSource(directory, names, paths, labels, decoder, on_error, seed)
-    ds = attach(source.build(shard), source, shard)
-    ds.class_names = list(names)
-    return ds
+    return names, paths, labels
 
 
 def _check_args(image_size, channels, on_error, extensions):
