@@ -41,6 +41,24 @@ def order(n, key, shuffle):
     return tf.random.experimental.stateless_shuffle(ids, seed=tf.stack([key, tf.constant(0x5EED, tf.int64)]))
 
 
+def positions(n, seed, shuffle, keyed):
+    """Returns a dataset of `(position, sample id, epoch key)` for positions 0..n-1 of each epoch.
+
+    Only this cheap stream is made per epoch (in a `flat_map`: a function with control flow
+    or many ops instantiated there each epoch costs ~100 ms); the reading and decoding maps
+    come after it, built once. Without `shuffle` or `keyed` the key is 0 and no flat_map is used.
+    """
+    import tensorflow as tf
+
+    if not (shuffle or keyed):
+        return tf.data.Dataset.range(n).map(lambda p: (p, p, tf.constant(0, tf.int64)))
+
+    def epoch(key):
+        return tf.data.Dataset.from_tensor_slices(order(n, key, shuffle)).enumerate().map(lambda p, j: (p, j, key))
+
+    return epoch_keys(seed).flat_map(epoch)
+
+
 def sample_seed(key, sample_id):
     """The stateless seed `[2]` of one sample in one epoch."""
     import tensorflow as tf
@@ -53,46 +71,50 @@ def checked(loaded, n, name_of, on_error, blank, what):
     `(image, label)`, raising or reporting at each missing position.
 
     Args:
-        loaded: Dataset of `(position, image, label)`, positions increasing, gaps where a
+        loaded: Dataset of `(position, key, image, label)`, positions increasing, gaps where a
             sample failed (after `ignore_errors`).
         n: Number of positions.
-        name_of: Function of a position (int64 scalar tensor) -> its name (string tensor).
+        name_of: Function of a position and the epoch key (int64 scalar tensors) -> the
+            sample's name (string tensor); called only where a sample is missing.
         on_error: "raise" or "skip".
         blank: An `(image, label)` with the dataset's dtypes, for the end sentinel.
         what: The source, for messages, e.g. "kpipe.data.from_files".
     """
     import tensorflow as tf
 
-    end = tf.data.Dataset.from_tensors((tf.constant(n, tf.int64),) + tuple(blank))
+    end = tf.data.Dataset.from_tensors((tf.constant(n, tf.int64), tf.constant(0, tf.int64)) + tuple(blank))
     ds = loaded.concatenate(end)
 
     def step(state, element):
-        expected, skipped = state
+        expected, skipped, key = state
         position = element[0]
+        key = tf.where(position < n, element[1], key)  # the sentinel has no key: keep the last
         missing = position - expected
-        if on_error == "raise":
+
+        def fail():
             check = tf.debugging.Assert(
-                tf.equal(missing, 0),
-                [f"{what}: cannot read or decode image file", name_of(tf.minimum(expected, n - 1)),
+                False,
+                [f"{what}: cannot read or decode image file", name_of(tf.minimum(expected, n - 1), key),
                  "(unreadable, not a JPEG/PNG/BMP/GIF/WebP, or truncated). Remove or replace the "
                  "file, or pass on_error='skip' to skip such files."],
                 summarize=1,
             )
-            deps = [check]
-        else:
-            def report():
-                names = tf.map_fn(name_of, tf.range(expected, position), fn_output_signature=tf.string)
-                tf.print(f"{what}: skipped unreadable or undecodable image file", names,
-                         "-", skipped + missing, "skipped so far.", output_stream=sys.stderr, summarize=-1)
-                return missing
+            with tf.control_dependencies([check]):
+                return tf.identity(missing)
 
-            deps = [tf.cond(missing > 0, report, lambda: missing)]
-        with tf.control_dependencies(deps):
-            out = tuple(tf.identity(t) for t in element)
-        return (position + 1, skipped + missing), (out if on_error == "skip" else out[1:])
+        def report():
+            names = tf.map_fn(lambda p: name_of(p, key), tf.range(expected, position), fn_output_signature=tf.string)
+            tf.print(f"{what}: skipped unreadable or undecodable image file", names,
+                     "-", skipped + missing, "skipped so far.", output_stream=sys.stderr, summarize=-1)
+            return tf.identity(missing)
+
+        done = tf.cond(missing > 0, fail if on_error == "raise" else report, lambda: tf.identity(missing))
+        with tf.control_dependencies([done]):
+            out = tuple(tf.identity(t) for t in (element[0],) + tuple(element[2:]))
+        return (position + 1, skipped + missing, key), (out if on_error == "skip" else out[1:])
 
     zero = tf.constant(0, tf.int64)
-    ds = ds.scan((zero, zero), step)
+    ds = ds.scan((zero, zero, zero), step)
     if on_error == "raise":
         # n good samples come before the sentinel, which is read only when one is missing
         # (and then fails the check): `take` is cheaper than a filter on every sample.

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 
-from kpipe.data._decoded import checked, epoch_keys, order, sample_seed
+from kpipe.data._decoded import checked, order, positions, sample_seed
 from kpipe.data._jpeg import Decoder, check_augment_args
 from kpipe.data._sharding import resolve_shard
 from kpipe.data._source import Source, attach
@@ -225,18 +225,13 @@ class _FileSource(Source):
 
         def load(position, j, key):
             data = tf.io.read_file(paths[j])
-            return position, decoder(data, sample_seed(key, ids[j]) if decoder.random else None), labels[j]
+            return position, key, decoder(data, sample_seed(key, ids[j]) if decoder.random else None), labels[j]
 
-        def epoch(key):  # see NOTE [ Naming the file that failed ] in _decoded.py
-            by_position = order(n, key, shuffle)
-            loaded = tf.data.Dataset.from_tensor_slices(by_position).enumerate()
-            loaded = loaded.map(lambda position, j: load(position, j, key), num_parallel_calls=tf.data.AUTOTUNE,
-                                deterministic=True).ignore_errors()
-            return checked(loaded, n, lambda position: paths[by_position[position]], self.on_error,
-                           (decoder.blank(), tf.constant(0, tf.int32)), "kpipe.data.from_files")
-
-        # An epoch key only where something is drawn: a plain read skips the flat_map (~20 us a file).
-        ds = epoch_keys(seed).flat_map(epoch) if shuffle or decoder.random else epoch(tf.constant(0, tf.int64))
+        # see NOTE [ Naming the file that failed ] in _decoded.py
+        ds = positions(n, seed, shuffle, decoder.random)
+        ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
+        ds = checked(ds, n, lambda position, key: paths[order(n, key, shuffle)[position]], self.on_error,
+                     (decoder.blank(), tf.constant(0, tf.int32)), "kpipe.data.from_files")
         if self.on_error == "raise":
             ds = ds.apply(tf.data.experimental.assert_cardinality(n))
         return ds

@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 
-from kpipe.data._decoded import epoch_keys, order, sample_seed
+from kpipe.data._decoded import positions, sample_seed
 from kpipe.data._jpeg import Decoder, check_augment_args
 from kpipe.data._pack import FORMAT
 from kpipe.data._paths import expand_paths
@@ -140,10 +140,12 @@ class _PackedSource(Source):
         def decode(i, data, key):
             return decoder(data, sample_seed(key, i) if decoder.random else None), tf.gather(labels, i)
 
-        def epoch(key):
-            ds = tf.data.Dataset.from_tensor_slices(tf.gather(blocks, order(n_blocks, key, shuffle)))
-            ds = ds.map(read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
-            return ds.map(lambda i, data: decode(i, data, key), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        def read_keyed(block, key):
+            ids, data = read(block)
+            return ids, data, tf.fill(tf.shape(ids), key)
 
-        ds = epoch_keys(seed).flat_map(epoch) if shuffle or decoder.random else epoch(tf.constant(0, tf.int64))
+        # block order and epoch key per epoch (cheap, in positions' flat_map); reads and decodes built once
+        ds = positions(n_blocks, seed, shuffle, decoder.random).map(lambda p, k, key: (tf.gather(blocks, k), key))
+        ds = ds.map(read_keyed, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+        ds = ds.map(lambda i, data, key: decode(i, data, key), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return ds.apply(tf.data.experimental.assert_cardinality(count))
