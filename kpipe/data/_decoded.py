@@ -66,7 +66,7 @@ def sample_seed(key, sample_id):
     return tf.stack([key, tf.cast(sample_id, tf.int64)])
 
 
-def checked(loaded, n, name_of, on_error, blank, what):
+def checked(loaded, n, name_of, on_error, blank, what, in_order=False):
     """Returns `loaded` (elements `(position, image, label)` with failed ones missing) as
     `(image, label)`, raising or reporting at each missing position.
 
@@ -79,6 +79,8 @@ def checked(loaded, n, name_of, on_error, blank, what):
         on_error: "raise" or "skip".
         blank: An `(image, label)` with the dataset's dtypes, for the end sentinel.
         what: The source, for messages, e.g. "kpipe.data.from_files".
+        in_order: `name_of` is cheap (no shuffle): "raise" then checks each sample with
+            one `Assert`, without a `cond`.
     """
     import tensorflow as tf
 
@@ -108,7 +110,16 @@ def checked(loaded, n, name_of, on_error, blank, what):
                      "-", skipped + missing, "skipped so far.", output_stream=sys.stderr, summarize=-1)
             return tf.identity(missing)
 
-        done = tf.cond(missing > 0, fail if on_error == "raise" else report, lambda: tf.identity(missing))
+        if on_error == "raise" and in_order:
+            done = tf.debugging.Assert(
+                tf.equal(missing, 0),
+                [f"{what}: cannot read or decode image file", name_of(tf.minimum(expected, n - 1), key),
+                 "(unreadable, not a JPEG/PNG/BMP/GIF/WebP, or truncated). Remove or replace the "
+                 "file, or pass on_error='skip' to skip such files."],
+                summarize=1,
+            )
+        else:
+            done = tf.cond(missing > 0, fail if on_error == "raise" else report, lambda: tf.identity(missing))
         with tf.control_dependencies([done]):
             out = tuple(tf.identity(t) for t in (element[0],) + tuple(element[2:]))
         return (position + 1, skipped + missing, key), (out if on_error == "skip" else out[1:])

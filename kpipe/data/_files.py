@@ -231,7 +231,7 @@ class _FileSource(Source):
         ds = positions(n, seed, shuffle, decoder.random)
         ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
         ds = checked(ds, n, lambda position, key: paths[order(n, key, shuffle)[position]], self.on_error,
-                     (decoder.blank(), tf.constant(0, tf.int32)), "kpipe.data.from_files")
+                     (decoder.blank(), tf.constant(0, tf.int32)), "kpipe.data.from_files", in_order=not shuffle)
         if self.on_error == "raise":
             ds = ds.apply(tf.data.experimental.assert_cardinality(n))
         return ds

@@ -3,7 +3,10 @@
 NOTE [ Packed format ]
 Each shard `<prefix>-NNNNN-of-MMMMM.h5` holds, for its files in folder order:
 
-    images       variable-length uint8: the encoded bytes (the file's own, or re-encoded)
+    bytes        uint8: every image's encoded bytes (the file's own, or re-encoded), end to end
+    offsets      int64, one more than images: image i is bytes[offsets[i]:offsets[i + 1]]
+                 (a block of images is one contiguous read; h5py's variable-length
+                 arrays cost ~0.2 ms an image to read, 4x reading the files themselves)
     labels       int32: the class's position in `class_names`
     names        variable-length str: the file's path relative to the folder
     attrs        class_names (JSON list), format ("kpipe-packed-1"), complete (set last)
@@ -22,7 +25,7 @@ import time
 
 import numpy as np
 
-FORMAT = "kpipe-packed-1"
+FORMAT = "kpipe-packed-2"
 _JPEG_MAGIC = b"\xff\xd8\xff"
 
 
@@ -127,9 +130,11 @@ def pack(directory, output_prefix, *, max_side=None, quality=90, shard_size=1000
             kept_names.append(os.path.relpath(p, directory))
         partial = path + ".partial"
         with h5py.File(partial, "w") as f:
-            images = f.create_dataset("images", (len(blobs),), dtype=h5py.vlen_dtype(np.uint8))
-            for i, b in enumerate(blobs):
-                images[i] = b
+            offsets = np.zeros(len(blobs) + 1, np.int64)
+            np.cumsum([len(b) for b in blobs], out=offsets[1:])
+            f.create_dataset("bytes", data=np.concatenate(blobs) if blobs else np.zeros(0, np.uint8),
+                             chunks=(1 << 20,) if offsets[-1] > (1 << 20) else None)
+            f.create_dataset("offsets", data=offsets)
             f.create_dataset("labels", data=np.asarray(kept_labels, np.int32))
             f.create_dataset("names", data=np.asarray(kept_names, dtype=object), dtype=h5py.string_dtype())
             f.attrs["class_names"] = json.dumps(names)

@@ -68,7 +68,7 @@ def from_packed(paths, *, image_size=(256, 256), channels=3, crop=None, scale=(0
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"`block_size` must be an integer >= 1. Received: block_size={block_size!r}.")
     files = expand_paths(paths, "paths", "packed HDF5")
-    names, labels = None, []
+    names, labels, offsets = None, [], []
     for path in files:
         with h5py.File(path, "r") as f:
             if f.attrs.get("format") != FORMAT or not f.attrs.get("complete", False):
@@ -79,19 +79,21 @@ def from_packed(paths, *, image_size=(256, 256), channels=3, crop=None, scale=(0
                 raise ValueError(f"{path!r} has class names {these}, the shards before it {names}: pass the shards of one pack.")
             names = these
             labels.append(f["labels"][:])
+            offsets.append(f["offsets"][:])
     decoder = Decoder(None if image_size is None else tuple(image_size), channels, crop, tuple(scale), tuple(ratio),
                       flip, float(center_fraction))
-    source = _PackedSource(files, labels, decoder, block_size, seed)
+    source = _PackedSource(files, labels, offsets, decoder, block_size, seed)
     ds = attach(source.build(shard), source, shard)
     ds.class_names = list(names)
     return ds
 
 
 class _PackedSource(Source):
-    def __init__(self, files, labels, decoder, block_size, seed):
+    def __init__(self, files, labels, offsets, decoder, block_size, seed):
         self.what = f"from_packed({files[0]!r}{', ...' if len(files) > 1 else ''})"
         self.files = files
         self.label_array = np.concatenate(labels).astype(np.int32)
+        self.offsets = offsets
         starts = np.cumsum([0] + [len(x) for x in labels])
         # (file, lo, hi, first global id) of every block
         self.blocks = np.asarray([(k, lo, min(lo + block_size, len(x)), starts[k] + lo)
@@ -118,8 +120,10 @@ class _PackedSource(Source):
             f = self._open.get(k)
             if f is None:
                 f = self._open[k] = h5py.File(self.files[k], "r")
-            blobs = f["images"][lo:hi]
-        data = np.asarray([b.tobytes() for b in blobs], dtype=object)
+            off = self.offsets[k][lo:hi + 1]
+            blob = f["bytes"][off[0]:off[-1]].tobytes()
+        off = off - off[0]
+        data = np.asarray([blob[a:b] for a, b in zip(off[:-1], off[1:])], dtype=object)
         return np.arange(first, first + hi - lo, dtype=np.int64), data
 
     def build(self, shard, shuffle=False, seed=None):
