@@ -132,8 +132,7 @@ def pack(directory, output_prefix, *, max_side=None, quality=90, shard_size=1000
         with h5py.File(partial, "w") as f:
             offsets = np.zeros(len(blobs) + 1, np.int64)
             np.cumsum([len(b) for b in blobs], out=offsets[1:])
-            f.create_dataset("bytes", data=np.concatenate(blobs) if blobs else np.zeros(0, np.uint8),
-                             chunks=(1 << 20,) if offsets[-1] > (1 << 20) else None)
+            f.create_dataset("bytes", data=np.concatenate(blobs) if blobs else np.zeros(0, np.uint8))  # contiguous
             f.create_dataset("offsets", data=offsets)
             f.create_dataset("labels", data=np.asarray(kept_labels, np.int32))
             f.create_dataset("names", data=np.asarray(kept_names, dtype=object), dtype=h5py.string_dtype())
