@@ -83,6 +83,11 @@ def pack(directory, output_prefix, *, max_side=None, quality=90, shard_size=1000
 
     from kpipe.data._files import _DEFAULT_EXTENSIONS, list_files
 
+    try:
+        import PIL.Image  # noqa: F401
+    except ImportError as e:
+        raise ImportError("kpipe.data.pack needs Pillow to check and re-encode images: pip install 'kpipe[pack]'") from e
+
     if max_side is not None and (not isinstance(max_side, int) or isinstance(max_side, bool) or max_side < 8):
         raise ValueError(f"`max_side` must be an integer >= 8 or None. Received: max_side={max_side!r}.")
     if not isinstance(quality, int) or not 1 <= quality <= 100:
