@@ -1,4 +1,4 @@
-"""The `kpipe` console script: `kpipe {demo,bench,launch,data-service} ...`.
+"""The `kpipe` console script: `kpipe {demo,bench,launch,data-service,pack} ...`.
 
 Each subcommand lives in `kpipe/_cli/<name>.py`, which defines `HELP` (one line),
 `add_arguments(parser)` and `run(args) -> int`. Modules are imported only when their
@@ -17,6 +17,7 @@ _SUBCOMMANDS = {
     "bench": ("kpipe._cli.bench", "measure a dataset's loader throughput by worker count"),
     "launch": ("kpipe._cli.launch", "run a local multi-worker job, one TF_CONFIG per process"),
     "data-service": ("kpipe._cli.data_service", "start a tf.data service dispatcher or worker"),
+    "pack": ("kpipe._cli.pack", "pack an image folder into sharded HDF5 files of JPEG bytes (resumable)"),
 }
 
 

@@ -31,6 +31,12 @@ Workloads (issue #2):
            the serial loop and of the same loader at workers=1, and the issue's targets
            (workers=2 >= 1.3x workers=1; "auto" >= 0.9x the best fixed count; no fixed
            count below 0.8x workers=1) as PASS/MISS lines
+  jpeg     (not in the default set; issue #45) a folder of JPEG photos decoded to 224x224:
+           Keras's image_dataset_from_directory, kpipe.data.from_files / from_packed, the
+           hand-written tf.data random-resized crop, the fused one, and a per-sample PIL
+           decoder in bare processes and in ProcessLoader.from_samples, each row in a fresh
+           process; its file, rows and options (--jpeg-images, --jpeg-rows) are in
+           scripts/_workloads/jpeg.py, behind the registry of scripts/_workloads/
 
 "kpipe-samples" is `kpipe.ProcessLoader.from_samples(records, batch_size, shuffle=...)` on
 the workload's per-sample records (Grain's, below, with its random map applied per record):
@@ -169,6 +175,7 @@ import keras  # noqa: E402
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # (imported by its path, as the tests do)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402  (the scripts' option parsing and tables)
+import _workloads  # noqa: E402  (workloads with a file of their own: jpeg)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kpipe  # noqa: E402
@@ -1418,7 +1425,7 @@ def print_blas(rows):
 
 
 _WORKLOADS = ("a", "b", "b-stack", "b-direct", "c", "blas", "s")
-_EXTRA_WORKLOADS = ("b-fixed", "b-stack-fixed")  # run only when named
+_EXTRA_WORKLOADS = ("b-fixed", "b-stack-fixed") + tuple(_workloads.WORKLOADS)  # run only when named
 _ALL_WORKLOADS = _WORKLOADS + _EXTRA_WORKLOADS
 _PEERS = ("grain-loader", "grain-dataset", "torch", "tf.data", "keras-mp")  # for (b)'s target: the other ways to load
 _LOADERS = ("serial", "keras-threads", "keras-mp", "tf.data", "kpipe", "kpipe-ahead", "kpipe-samples", "grain-loader", "grain-dataset",
@@ -1451,6 +1458,8 @@ def main(argv=None):
                         "a peer whose package does not import is skipped, with its reason). Default: all but kpipe-noread")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run (a smoke test, not a measurement)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    for name in _workloads.WORKLOADS:  # the workloads with a file of their own (scripts/_workloads/)
+        _workloads.load(name).add_arguments(parser)
     args = parser.parse_args(argv)
 
     if args.rss_epochs and args.rss_epochs < 3:
@@ -1478,7 +1487,11 @@ def main(argv=None):
     if args.warm_mb < 0:
         parser.error(f"--warm-mb must be >= 0. Received: {args.warm_mb}")
     warm_mb = int(args.warm_mb * scale)
-    rows, growth = [], None
+    rows, growth, own_rows = [], None, {}
+    for name in _workloads.WORKLOADS:
+        if name in workloads:
+            own_rows[name], own_skipped = _workloads.load(name).run(args, args.workers, repeats, args.quick)
+            skipped.update({f"{name}/{k}": reason for k, reason in own_skipped.items()})
     tmpdir = tempfile.mkdtemp(prefix="kpipe-bench-")
     try:
         if "a" in workloads:
@@ -1537,6 +1550,8 @@ def main(argv=None):
           f"{f' and at least {min_seconds:g} s' if min_seconds else ''} per run, workers={args.workers}, best of {repeats} runs, {warm_mb} MB warmed before each, "
           f"tensorflow {__import__('tensorflow').__version__}, keras {keras.__version__}\n")
     print_table(rows)
+    for name, own in own_rows.items():
+        _workloads.load(name).print_rows(own, args.workers, repeats)
     for k, reason in skipped.items():
         print(f"(skipped {k}: {reason})")
     print_blas(rows)
@@ -1547,7 +1562,7 @@ def main(argv=None):
     check_targets(rows, growth, args.io_workers)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "skipped": skipped, "rss_growth": growth, "warmup_epochs": args.warmup_epochs, "min_seconds": min_seconds, "warm_mb": warm_mb, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
+            json.dump({"rows": rows + [r for own in own_rows.values() for r in own], "skipped": skipped, "rss_growth": growth, "warmup_epochs": args.warmup_epochs, "min_seconds": min_seconds, "warm_mb": warm_mb, "argv": sys.argv[1:] if argv is None else argv}, f, indent=2)
     return 0
 
 

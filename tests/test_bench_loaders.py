@@ -371,3 +371,19 @@ def test_bench_loaders_runs_the_per_sample_form_and_the_stacking_workload(tmp_pa
                    "(b-stack) kpipe >= 0.9x bare processes running the same np.stack code"):
         assert target in stdout
     assert "(s) per-sample overhead of from_samples" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_bench_loaders_jpeg_workload_runs_its_rows_in_fresh_processes_and_prints_ratios(tmp_path):
+    rows = "keras-idf,kpipe-files,kpipe-packed-256,tfdata-rrc,kpipe-rrc,pil-bare,kpipe-samples-pil,torch"
+    out, result = _run(tmp_path, "--workloads", "jpeg", "--jpeg-rows", rows, "--rss-epochs", "0", timeout=580)
+    got = {r["loader"]: r for r in result["rows"] if r["workload"] == "jpeg"}
+    expect = set(rows.split(",")) - ({"torch"} if "jpeg/torch" in result["skipped"] else set())
+    assert set(got) == expect and all(r["rate"] > 0 and r["images"] == 64 for r in got.values())
+    assert got["kpipe-files"]["cpu_ms"] > 0 and got["pil-bare"]["cpu_ms"] is None
+    assert "kpipe-files / keras-idf:" in out and "kpipe-rrc / tfdata-rrc:" in out and "open/list" in out
+    assert "matplotlib sample_data/grace_hopper.jpg" in out or "PIL-synthesised" in out
+    if "jpeg/torch" in result["skipped"]:
+        assert "skipped jpeg/torch: torch is not installed" in out

@@ -60,7 +60,7 @@ def test_shards_are_disjoint_and_complete(folder, num_shards):
 def test_undecodable_file_fails_naming_it(folder):
     (folder / "dog" / "broken.png").write_bytes(b"this is not a png")
     ds = kpipe.data.from_files(folder, image_size=(4, 4))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"cannot decode image file.*dog/broken\.png"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"cannot read or decode image file.*dog/broken\.png"):
         list(ds.as_numpy_iterator())
 
 
@@ -102,3 +102,86 @@ def test_bad_folders_and_arguments(tmp_path, folder):
         kpipe.data.from_files(folder, on_error="ignore")
     with pytest.raises(ValueError, match="`channels` must be 1, 3 or 4"):
         kpipe.data.from_files(folder, channels=2)
+
+
+def _encoded(fmt, mode="RGB", size=(40, 50), **kw):
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.full(size + (3,), 120, np.uint8)).convert(mode).save(buffer, fmt, **kw)
+    return buffer.getvalue()
+
+
+def test_images_named_jpg_are_decoded_by_their_bytes(tmp_path):
+    # PNG, grayscale and CMYK JPEGs, RGBA PNG, GIF and BMP, all named .jpg: decoded as Keras does.
+    kinds = {"png": ("PNG", "RGB"), "gray": ("JPEG", "L"), "cmyk": ("JPEG", "CMYK"), "rgba": ("PNG", "RGBA"),
+             "gif": ("GIF", "RGB"), "bmp": ("BMP", "RGB")}
+    (tmp_path / "a").mkdir()
+    for name, (fmt, mode) in kinds.items():
+        (tmp_path / "a" / f"{name}.jpg").write_bytes(_encoded(fmt, mode))
+    for crop in (None, "random", "center"):
+        images = [image for image, _ in kpipe.data.from_files(tmp_path, image_size=(8, 8), crop=crop, seed=0).as_numpy_iterator()]
+        assert len(images) == len(kinds) and all(image.shape == (8, 8, 3) for image in images)
+
+
+def test_exif_orientation_is_not_applied_as_in_keras(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "a").mkdir()
+    pixels = np.zeros((20, 40, 3), np.uint8)
+    pixels[:, :20] = 255  # left half white
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to display"
+    Image.fromarray(pixels).save(tmp_path / "a" / "rotated.jpg", exif=exif, quality=95)
+    (image, _), = kpipe.data.from_files(tmp_path, image_size=None).as_numpy_iterator()
+    assert image.shape == (20, 40, 3) and image[:, :10].mean() > 200 and image[:, -10:].mean() < 50
+
+
+def test_empty_class_folder_keeps_its_label(folder):
+    (folder / "aardvark").mkdir()
+    ds = kpipe.data.from_files(folder, image_size=(4, 4))
+    assert ds.class_names == ["aardvark", "cat", "dog", "eel"]
+    assert sorted({label for label, _ in _keys(ds)}) == [1, 2, 3]
+
+
+_BAD = {"cat/0000-first.png": b"", "dog/text.jpg": b"not an image at all", "eel/zz-truncated.jpg": None}
+
+
+def _write_bad(folder, names):
+    for name in names:
+        (folder / name).write_bytes(_encoded("JPEG")[:300] if _BAD[name] is None else _BAD[name])
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_skip_names_and_counts_bad_files_first_middle_and_last(folder, capfd, shuffle):
+    _write_bad(folder, _BAD)
+    source = kpipe.data.from_files(folder, image_size=(4, 4), on_error="skip")
+    ds = kpipe.data.pipeline(source, batch_size=4, shuffle=16 if shuffle else None, seed=1)
+    labels = np.concatenate([y for _, y in ds.as_numpy_iterator()])
+    assert len(labels) == sum(PER_CLASS.values())
+    err = capfd.readouterr().err
+    assert all(name.split("/")[1] in err for name in _BAD) and "3 skipped so far" in err
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("bad", sorted(_BAD))
+def test_raise_names_the_bad_file_first_middle_or_last(folder, bad, shuffle):
+    _write_bad(folder, [bad])
+    ds = kpipe.data.pipeline(kpipe.data.from_files(folder, image_size=(4, 4)), batch_size=4,
+                             shuffle=16 if shuffle else None, seed=1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=bad.replace(".", r"\.")):
+        list(ds.as_numpy_iterator())
+
+
+def test_unreadable_file_is_named(folder):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root reads files whatever their permissions")
+    bad = folder / "dog" / "locked.png"
+    bad.write_bytes(_png(3))
+    bad.chmod(0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"dog/locked\.png"):
+        list(kpipe.data.from_files(folder, image_size=(4, 4)).as_numpy_iterator())

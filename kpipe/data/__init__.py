@@ -1,7 +1,8 @@
 """`kpipe.data`: tf.data sources and pipelines that are fast by default.
 
 * Sources, each a `tf.data.Dataset` of single samples, sharded where the data is
-  addressed: `from_hdf5`, `from_numpy`, `from_files`, `from_tfrecord`.
+  addressed: `from_hdf5`, `from_numpy`, `from_files`, `from_tfrecord`, `from_packed`.
+* `pack`: an image folder into sharded HDF5 files of JPEG bytes (`kpipe pack`).
 * `pipeline`: shard -> cache -> shuffle -> map -> batch -> prefetch with AUTOTUNE and a
   private thread pool, plus `py_map_fn` for Python/NumPy steps in worker processes.
 * `class_weights`: a `class_weight` dict for `fit()`.
@@ -20,6 +21,8 @@ Example:
 from kpipe.data._files import from_files
 from kpipe.data._hdf5 import from_hdf5
 from kpipe.data._numpy import from_numpy
+from kpipe.data._pack import pack
+from kpipe.data._packed import from_packed
 from kpipe.data._pipeline import pipeline
 from kpipe.data._sharding import ShardSpec
 from kpipe.data._tfrecord import from_tfrecord
@@ -31,6 +34,8 @@ __all__ = [
     "from_files",
     "from_hdf5",
     "from_numpy",
+    "from_packed",
     "from_tfrecord",
+    "pack",
     "pipeline",
 ]

@@ -1,10 +1,11 @@
 """`kpipe.data.from_files`: (image, label) samples from a folder with one sub-folder per class."""
 
 import os
-import sys
 
 import numpy as np
 
+from kpipe.data._decoded import checked, order, positions, sample_seed
+from kpipe.data._jpeg import Decoder, check_augment_args
 from kpipe.data._sharding import resolve_shard
 from kpipe.data._source import Source, attach
 
@@ -20,6 +21,12 @@ def from_files(
     class_names=None,
     extensions=_DEFAULT_EXTENSIONS,
     on_error="raise",
+    crop=None,
+    scale=(0.08, 1.0),
+    ratio=(3 / 4, 4 / 3),
+    flip=False,
+    center_fraction=0.875,
+    seed=None,
     input_context=None,
     num_shards=None,
     index=None,
@@ -28,10 +35,23 @@ def from_files(
 
     The folder holds one sub-folder per class (`directory/cat/1.jpg`, `directory/dog/2.png`,
     ...); labels are the classes' positions in `class_names` (sorted folder names by
-    default). Files are decoded (JPEG, PNG, BMP, GIF) and resized with TensorFlow ops, many
-    in parallel. Images come out as float32 in [0, 255] of shape `image_size + (channels,)`.
-    Sharding assigns files to shards round robin (file `i` to shard `i % num_shards`), so
-    each shard sees every class.
+    default). Files are decoded (JPEG, PNG, BMP, GIF, WebP, told by their bytes, not their
+    names) and resized with TensorFlow ops, many in parallel. Images come out as float32 in
+    [0, 255] of shape `image_size + (channels,)`. Sharding assigns files to shards round
+    robin (file `i` to shard `i % num_shards`), so each shard sees every class.
+
+    With `crop=None` the work is `keras.utils.image_dataset_from_directory`'s (whole image,
+    bilinear resize) and so is the output. `crop="random"` is the random-resized crop of
+    Inception / Goyal et al. and `crop="center"` the evaluation crop, fused into the decode:
+    only the crop of a JPEG is decoded, at 1/2..1/8 scale in the DCT domain when it is at
+    least twice the output; other formats are decoded whole and cropped. Random draws depend
+    on `(seed, epoch, file)` only (stateless ops), whatever the threads or shards.
+
+    As in Keras: files are picked by `extensions` (a `notes.txt` is not read), EXIF
+    orientation is not applied (pixels come in stored order: `decode_image` ignores it, and
+    so does Keras's function), grayscale and CMYK JPEGs and RGBA PNGs are converted to
+    `channels`, and an empty class folder keeps its label (no samples). Unlike Keras, a file
+    that cannot be read or decoded (unreadable, truncated, not an image) is named.
 
     Args:
         directory: The folder.
@@ -42,9 +62,21 @@ def from_files(
             sub-folder, sorted).
         extensions: File name endings that count as images (case-insensitive). Defaults to
             (".jpg", ".jpeg", ".png", ".bmp", ".gif").
-        on_error: What to do with a file that cannot be decoded: "raise" fails the
+        on_error: What to do with a file that cannot be read or decoded: "raise" fails the
             iteration with an error naming the file; "skip" drops it and prints its name with
-            the number skipped so far to stderr. Defaults to "raise".
+            the number skipped so far in this pass to stderr. Defaults to "raise".
+        crop: None (resize the whole image), "random" (random-resized crop) or "center"
+            (central square of `center_fraction` of the shorter side). Defaults to None.
+        scale: With `crop="random"`, the range of the crop's area as a fraction of the
+            image's. Defaults to (0.08, 1.0).
+        ratio: With `crop="random"`, the range of the crop's width / height. Defaults to
+            (3/4, 4/3).
+        flip: Flip each image left-right with probability 1/2. Defaults to False.
+        center_fraction: With `crop="center"`, the crop's side as a fraction of the
+            shorter side. Defaults to 0.875 (224 of 256).
+        seed: Seed of the random crops and flips (and of the file order when
+            `kpipe.data.pipeline(..., shuffle=...)` gets no seed of its own). Defaults to
+            None (random).
         input_context: A `tf.distribute.InputContext`; read only the files of its input
             pipeline. Defaults to None.
         num_shards: Split the files into this many shards (instead of `input_context`).
@@ -71,11 +103,34 @@ def from_files(
     >>> ds = kpipe.data.from_files(tmp.name, image_size=(4, 4))
     >>> [(image.shape, int(label)) for image, label in ds.as_numpy_iterator()]
     [((4, 4, 3), 0), ((4, 4, 3), 1)]
+    >>> train = kpipe.data.from_files(tmp.name, image_size=(4, 4), crop="random", flip=True, seed=0)
+    >>> [image.shape for image, label in train.as_numpy_iterator()]
+    [(4, 4, 3), (4, 4, 3)]
     >>> tmp.cleanup()
     """
     shard = resolve_shard(input_context, num_shards, index)
     _check_args(image_size, channels, on_error, extensions)
+    check_augment_args(image_size, crop, scale, ratio, flip, center_fraction)
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ValueError(f"`seed` must be an integer or None. Received: seed={seed!r}.")
     directory = os.fsdecode(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"`directory` {directory!r} is not an existing folder. Check the path.")
+    names, paths, labels = list_files(directory, class_names, extensions)
+    decoder = Decoder(None if image_size is None else tuple(image_size), channels, crop, tuple(scale), tuple(ratio),
+                      flip, float(center_fraction))
+    source = _FileSource(directory, names, paths, labels, decoder, on_error, seed)
+    ds = attach(source.build(shard), source, shard)
+    ds.class_names = list(names)
+    return ds
+
+
+def list_files(directory, class_names, extensions):
+    """Returns `(class names, paths, labels)` of the image folder, in sorted order.
+
+    Raises:
+        FileNotFoundError, ValueError: as `from_files` documents.
+    """
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"`directory` {directory!r} is not an existing folder. Check the path.")
     names = _class_names(directory, class_names)
@@ -93,10 +148,7 @@ def from_files(
             f"No images in the class folders of {directory!r} (classes {names}, extensions "
             f"{list(exts)}). Put image files in the class folders or change `extensions`."
         )
-    source = _FileSource(directory, names, paths, labels, image_size, channels, on_error)
-    ds = attach(source.build(shard), source, shard)
-    ds.class_names = list(names)
-    return ds
+    return names, paths, labels
 
 
 def _check_args(image_size, channels, on_error, extensions):
@@ -145,16 +197,16 @@ def _class_names(directory, class_names):
 
 
 class _FileSource(Source):
-    """Image files and their labels; decodes a shard's files in parallel with TF ops."""
+    """Image files and their labels; reads and decodes a shard's files in parallel with TF ops."""
 
-    def __init__(self, directory, class_names, paths, labels, image_size, channels, on_error):
+    def __init__(self, directory, class_names, paths, labels, decoder, on_error, seed):
         self.what = f"from_files({directory!r})"
         self.class_names = class_names
         self.paths = np.asarray(paths, dtype=object)
         self.label_array = np.asarray(labels, dtype=np.int32)
-        self.image_size = None if image_size is None else tuple(image_size)
-        self.channels = channels
+        self.decoder = decoder
         self.on_error = on_error
+        self.seed = seed
 
     def labels(self):
         # With on_error="skip" the samples are the files that decode, known only by decoding:
@@ -165,69 +217,21 @@ class _FileSource(Source):
         import tensorflow as tf
 
         take = np.arange(shard.index, len(self.paths), shard.num_shards)
-        ds = tf.data.Dataset.from_tensor_slices(
-            (tf.constant(self.paths[take].astype(str).tolist(), tf.string), self.label_array[take])
-        )
-        if shuffle and len(take) > 1:
-            ds = ds.shuffle(len(take), seed=seed, reshuffle_each_iteration=True)
-        # NOTE: decoding runs inside a one-element dataset with `ignore_errors`, so a failure
-        # becomes an `ok=False` element that still carries its path: the error (or the skip
-        # notice) can then name the file, which a failing op in a plain `map` cannot.
-        ds = ds.interleave(self._try_decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        n = len(take)
+        paths = tf.constant(self.paths[take].astype(str).tolist(), tf.string)
+        labels = tf.constant(self.label_array[take])
+        ids = tf.constant(take, tf.int64)  # a file's id, the same in every shard layout
+        decoder, seed = self.decoder, self.seed if seed is None else seed
+
+        def load(position, j, key):
+            data = tf.io.read_file(paths[j])
+            return position, key, decoder(data, sample_seed(key, ids[j]) if decoder.random else None), labels[j]
+
+        # see NOTE [ Naming the file that failed ] in _decoded.py
+        ds = positions(n, seed, shuffle, decoder.random)
+        ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
+        ds = checked(ds, n, lambda position, key: paths[order(n, key, shuffle)[position]], self.on_error,
+                     (decoder.blank(), tf.constant(0, tf.int32)), "kpipe.data.from_files", in_order=not shuffle)
         if self.on_error == "raise":
-            ds = ds.map(_raise_if_failed, num_parallel_calls=tf.data.AUTOTUNE)
-            return ds.apply(tf.data.experimental.assert_cardinality(len(take)))
-        skipped = tf.Variable(0, dtype=tf.int64, trainable=False, name="kpipe_skipped_images")
-        return ds.filter(lambda path, image, label, ok: _count_skip(skipped, path, ok)).map(
-            lambda path, image, label, ok: (image, label)
-        )
-
-    def _decode(self, path):
-        import tensorflow as tf
-
-        image = tf.io.decode_image(tf.io.read_file(path), channels=self.channels, expand_animations=False)
-        if self.image_size is not None:
-            image = tf.image.resize(image, self.image_size)
-        return image
-
-    def _try_decode(self, path, label):
-        import tensorflow as tf
-
-        decoded = tf.data.Dataset.from_tensors(path).map(lambda p: (self._decode(p), True))
-        decoded = decoded.ignore_errors()
-        if self.image_size is None:
-            blank = tf.zeros([0, 0, self.channels], tf.uint8)
-        else:
-            blank = tf.zeros(list(self.image_size) + [self.channels], tf.float32)
-        failed = tf.data.Dataset.from_tensors((blank, False))
-        return decoded.concatenate(failed).take(1).map(lambda image, ok: (path, image, label, ok))
-
-
-def _raise_if_failed(path, image, label, ok):
-    import tensorflow as tf
-
-    check = tf.debugging.Assert(
-        ok,
-        [
-            "kpipe.data.from_files: cannot decode image file",
-            path,
-            "(not a JPEG/PNG/BMP/GIF, or corrupt). Remove or replace the file, or pass "
-            "on_error='skip' to skip undecodable files.",
-        ],
-    )
-    with tf.control_dependencies([check]):
-        return tf.identity(image), label
-
-
-def _count_skip(counter, path, ok):
-    import tensorflow as tf
-
-    def report():
-        n = counter.assign_add(1)
-        tf.print(
-            "kpipe.data.from_files: skipped undecodable image file", path, "-", n, "skipped so far.",
-            output_stream=sys.stderr,
-        )
-        return ok
-
-    return tf.cond(ok, lambda: ok, report)
+            ds = ds.apply(tf.data.experimental.assert_cardinality(n))
+        return ds
