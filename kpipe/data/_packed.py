@@ -31,9 +31,16 @@ def from_packed(paths, *, image_size=(256, 256), channels=3, crop=None, scale=(0
         image_size: `(height, width)`, or None to keep each image's size (uint8). Defaults
             to (256, 256).
         channels: 1 or 3. Defaults to 3.
-        crop, scale, ratio, flip, center_fraction, seed: As in `from_files`.
+        crop: None, "random" or "center", as in `from_files`. Defaults to None.
+        scale: The random crop's area range, as in `from_files`. Defaults to (0.08, 1.0).
+        ratio: The random crop's aspect range, as in `from_files`. Defaults to (3/4, 4/3).
+        flip: Flip left-right with probability 1/2, as in `from_files`. Defaults to False.
+        center_fraction: The center crop's side fraction, as in `from_files`. Defaults to 0.875.
+        seed: Seed of the crops and flips (and of the order when shuffled), as in `from_files`.
         block_size: Images per read. Defaults to 256.
-        input_context, num_shards, index: As in `from_files`.
+        input_context: A `tf.distribute.InputContext` to shard by, as in `from_files`.
+        num_shards: Split the images into this many shards, as in `from_files`.
+        index: The shard to read, with `num_shards`.
 
     Returns:
         A `tf.data.Dataset` of `(image, label)`, with the class names in its
