@@ -399,17 +399,27 @@ _ZYGOTE_POLL_S = 0.2
 _FORK_UNSAFE = ("jax", "torch")
 
 
-def _check_fork_safe(before):
+def _native_threads():
+    """This process's threads as the kernel counts them (native ones included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # pragma: no cover - no procfs
+        return threading.active_count()
+
+
+def _check_fork_safe(before, threads_before):
     """The fork server forks every worker: refuse, with the fix, a target whose unpickling
-    imported a runtime that forked workers would hang in (a dataset holding JAX arrays or
-    torch tensors). `before`: the modules imported before unpickling."""
+    started such a runtime (a dataset holding JAX arrays or torch tensors: importing the
+    module alone starts no thread). `before`: the modules imported before unpickling;
+    `threads_before`: the threads then."""
     imported = [m for m in _FORK_UNSAFE if m in sys.modules and m not in before]
-    if imported:
+    started = _native_threads() - threads_before
+    if imported and started > 0:
         raise LoaderError(
-            f"Unpickling the dataset in kpipe's fork server imported {', '.join(imported)}, whose "
-            "runtime starts threads that workers forked from it would hang on (it holds JAX "
-            "arrays or torch tensors). Pass `start_method=\"spawn\"` to the loader, or hold "
-            "NumPy arrays in the dataset (np.asarray(...) in __init__).")
+            f"Unpickling the dataset in kpipe's fork server imported {', '.join(imported)} and "
+            f"started {started} thread(s) (it holds JAX arrays or torch tensors): workers forked "
+            "from it would hang on their locks. Pass `start_method=\"spawn\"` to the loader, "
+            "or hold NumPy arrays in the dataset (np.asarray(...) in __init__).")
 
 
 def _zygote_main():
@@ -436,9 +446,9 @@ def _zygote_main():
     _threads.preload()  # while the main process pickles the target
     try:
         try:
-            before = set(sys.modules)
+            before, threads_before = set(sys.modules), _native_threads()
             zygote.load(conn.recv()[1])
-            _check_fork_safe(before)
+            _check_fork_safe(before, threads_before)
         except Exception as exc:
             conn.send(("init-error", pack_exception(exc)))
             return
