@@ -192,8 +192,10 @@ def test_validation_and_evaluate_consume_what_plain_keras_does(val_steps, tmp_pa
         # batches -- on Keras < 3.7, which runs validation on from where the last run
         # stopped, unless the run that reads them starts elsewhere: then they load again.
         # (ids: 3 epochs of 8 training batches, then what validation took.)
+        # On Keras < 3.7 how many of those reloads happen depends on how far the workers
+        # had loaded ahead when the run began (timing): at most one window, 2 per worker.
         val_taken = len(ids) - 3 * 8
-        assert val_taken <= loads(log) <= val_taken + (0 if _RESTARTS else 2)
+        assert val_taken <= loads(log) <= val_taken + (0 if _RESTARTS else 2 * 2)
         before = loads(log)
         eval_ids, _ = consumed(new_model().evaluate, val, steps=val_steps)
         keras_eval, _ = consumed(new_model().evaluate, BatchIds(n), steps=val_steps)
