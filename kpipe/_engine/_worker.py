@@ -392,34 +392,18 @@ def _fork_main(conn, parent_pid):
 _ZYGOTE_POLL_S = 0.2
 
 
-# Runtimes whose import starts threads that a forked child cannot do without (their locks
-# stay taken there): JAX says so itself ("os.fork() was called ... will likely lead to a
-# deadlock"), and PyTorch's intra-op pool does the same once used. BLAS/OpenMP pools are
-# fine: they re-initialise after fork (kpipe's thread budget, see _threads.py).
-_FORK_UNSAFE = ("jax", "torch")
-
-
-def _native_threads():
-    """This process's threads as the kernel counts them (native ones included)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:  # pragma: no cover - no procfs
-        return threading.active_count()
-
-
-def _check_fork_safe(before, threads_before):
+def _check_fork_safe():
     """The fork server forks every worker: refuse, with the fix, a target whose unpickling
-    started such a runtime (a dataset holding JAX arrays or torch tensors: importing the
-    module alone starts no thread). `before`: the modules imported before unpickling;
-    `threads_before`: the threads then."""
-    imported = [m for m in _FORK_UNSAFE if m in sys.modules and m not in before]
-    started = _native_threads() - threads_before
-    if imported and started > 0:
+    started JAX's runtime (a dataset holding JAX arrays: the XLA client's thread pools,
+    which forked workers would hang on -- JAX says so itself). Importing JAX, as Keras's
+    JAX backend does, starts no runtime and is fine."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if getattr(bridge, "_backends", None):
         raise LoaderError(
-            f"Unpickling the dataset in kpipe's fork server imported {', '.join(imported)} and "
-            f"started {started} thread(s) (it holds JAX arrays or torch tensors): workers forked "
-            "from it would hang on their locks. Pass `start_method=\"spawn\"` to the loader, "
-            "or hold NumPy arrays in the dataset (np.asarray(...) in __init__).")
+            "Unpickling the dataset in kpipe's fork server started JAX's runtime (the dataset "
+            "holds JAX arrays), whose threads workers forked from it would hang on. Pass "
+            "`start_method=\"spawn\"` to the loader, or hold NumPy arrays in the dataset "
+            "(np.asarray(...) in __init__).")
 
 
 def _zygote_main():
@@ -446,9 +430,8 @@ def _zygote_main():
     _threads.preload()  # while the main process pickles the target
     try:
         try:
-            before, threads_before = set(sys.modules), _native_threads()
             zygote.load(conn.recv()[1])
-            _check_fork_safe(before, threads_before)
+            _check_fork_safe()
         except Exception as exc:
             conn.send(("init-error", pack_exception(exc)))
             return
