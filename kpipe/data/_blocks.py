@@ -186,7 +186,7 @@ class BlockSource(Source):
                     f"shape {a.shape}, expected {(hi - lo,) + leaf.sample_shape}. The data changed "
                     "after the dataset was created; recreate it."
                 )
-            if a.base is not None or not a.flags.owndata or not a.flags.writeable:
+            if not a.flags.owndata or not a.flags.writeable:
                 a = a.copy()  # see NOTE [ A block TensorFlow may write into ]
             out.append(a)
         return out
