@@ -55,6 +55,13 @@ def _lose(cluster, node, backend=None):
     assert gone(pids)
 
 
+def _remove_left(cluster, nodes):
+    """A test's teardown: loses those of `nodes` still in the cluster."""
+    for node in nodes:
+        if node in cluster.worker_nodes:
+            _lose(cluster, node)
+
+
 def _loaders_actors(within_s=60.0):
     """Actors of kpipe's actor class alive or waiting to be placed in the cluster, once
     Ray has marked killed ones dead (within `within_s`: a deadline, not a timing)."""
@@ -155,9 +162,7 @@ def test_a_node_lost_at_full_capacity_costs_its_actors_not_the_run(cluster, capl
         _assert_same(model.get_weights(), want)
         assert _loaders_actors() == 0  # the pending creations cancelled with the live actors
     finally:
-        for node in nodes:
-            if node in cluster.worker_nodes:
-                _lose(cluster, node)
+        _remove_left(cluster, nodes)
 
 
 def test_a_node_lost_with_spare_capacity_is_replaced_there_and_fit_goes_on(cluster):
@@ -185,9 +190,7 @@ def test_a_node_lost_with_spare_capacity_is_replaced_there_and_fit_goes_on(clust
         _assert_same(model.get_weights(), want)
         assert _loaders_actors() == 0
     finally:
-        for node in nodes:
-            if node in cluster.worker_nodes:
-                _lose(cluster, node)
+        _remove_left(cluster, nodes)
 
 
 def test_a_node_added_back_mid_fit_gets_the_replacements_which_take_batches(cluster):
@@ -217,9 +220,7 @@ def test_a_node_added_back_mid_fit_gets_the_replacements_which_take_batches(clus
         _assert_same(model.get_weights(), want)
         assert _loaders_actors() == 0
     finally:
-        for node in nodes:
-            if node in cluster.worker_nodes:
-                _lose(cluster, node)
+        _remove_left(cluster, nodes)
 
 
 def test_a_node_lost_and_regained_every_epoch_keeps_actors_flat_and_trains_as_local_workers(cluster):
@@ -249,9 +250,7 @@ def test_a_node_lost_and_regained_every_epoch_keeps_actors_flat_and_trains_as_lo
         _assert_same(model.get_weights(), want_model.get_weights())
         assert _loaders_actors() == 0
     finally:
-        for node in nodes:
-            if node in cluster.worker_nodes:
-                _lose(cluster, node)
+        _remove_left(cluster, nodes)
 
 
 def _loaders_actors_at_most(count, within_s=60.0):
@@ -285,8 +284,7 @@ def test_no_actor_live_for_timeout_is_the_named_error_and_leaves_no_actor(cluste
         assert backend.closed
         assert _loaders_actors() == 0  # the pending creations cancelled
     finally:
-        if node in cluster.worker_nodes:
-            _lose(cluster, node)
+        _remove_left(cluster, [node])
 
 
 def test_a_loader_dropped_or_closed_while_replacements_wait_leaves_no_actor(cluster):
@@ -308,9 +306,7 @@ def test_a_loader_dropped_or_closed_while_replacements_wait_leaves_no_actor(clus
             assert _loaders_actors() == 0
             nodes.append(_spot(cluster))
     finally:
-        for node in nodes:
-            if node in cluster.worker_nodes:
-                _lose(cluster, node)
+        _remove_left(cluster, nodes)
 
 
 # ------------------------------------------------- a cluster started with `ray start`, as the README does
