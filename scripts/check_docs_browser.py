@@ -18,15 +18,18 @@ Prints one line per check and exits 1 if any fails, 2 if no Chromium is found.
 """
 
 import argparse
+import contextlib
 import functools
 import html.parser
 import http.server
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.parse
 
 PAGES = [  # (path, text the rendered page must show)
@@ -60,16 +63,56 @@ def find_browser():
     return next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
 
 
+@contextlib.contextmanager
+def _profile():
+    """A fresh Chromium profile folder, removed afterwards. Chromium's helper processes (crashpad,
+    utility) may still write into it for a moment after the browser exits: the removal retries for
+    10 s before it gives up with the error."""
+    profile = tempfile.mkdtemp(prefix="kpipe-docs-chromium-")
+    try:
+        yield profile
+    finally:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                shutil.rmtree(profile)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+
+def _stop(proc):
+    """Ends the browser and every process it started (it runs in a session of its own)."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # helpers that outlived the browser
+
+
 def dump_dom(browser, url, timeout_s=90):
     """The page's DOM after its scripts ran (virtual time lets timers and the worker finish)."""
-    with tempfile.TemporaryDirectory(prefix="kpipe-docs-chromium-") as profile:
-        proc = subprocess.run(
+    with _profile() as profile:
+        proc = subprocess.Popen(
             [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              f"--user-data-dir={profile}", "--virtual-time-budget=15000", "--dump-dom", url],
-            capture_output=True, text=True, timeout=timeout_s)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            dom, err = proc.communicate(timeout=timeout_s)
+        finally:
+            _stop(proc)
     if proc.returncode != 0:
-        raise RuntimeError(f"{browser} exited {proc.returncode} on {url}: {proc.stderr[-1500:]}")
-    return proc.stdout
+        raise RuntimeError(f"{browser} exited {proc.returncode} on {url}: {err[-1500:]}")
+    return dom
 
 
 _SEARCH_JS = """
@@ -125,10 +168,10 @@ def search(browser, url, query, timeout_s=90):
         ws.close()
         return json.loads(result["result"]["value"])
 
-    with tempfile.TemporaryDirectory(prefix="kpipe-docs-chromium-") as profile:
+    with _profile() as profile:
         proc = subprocess.Popen([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                                  f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             port = None
             for line in proc.stderr:  # "DevTools listening on ws://127.0.0.1:PORT/devtools/browser/..."
@@ -144,12 +187,7 @@ def search(browser, url, query, timeout_s=90):
                 target = json.loads(response.read())
             return asyncio.run(asyncio.wait_for(drive(target["webSocketDebuggerUrl"]), timeout_s))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
 
 
 def _serve(site):
