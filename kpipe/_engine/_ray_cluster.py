@@ -33,9 +33,13 @@ class RayWorkers:
         max_count: With `count="auto"`, the most actors. Defaults to None: what the
             cluster can place (at most 64).
 
-    Example (a local Ray instance; needs `pip install "kpipe[ray]"`):
+    Example (needs `pip install "kpipe[ray]"` and nodes started with the resource):
 
-        loader = kpipe.ProcessLoader(Images(...), workers=kpipe.RayWorkers(16, resources={"preprocess": 1}))
+        # The Ray this process initialized is used, else `address=` or RAY_ADDRESS, else a new
+        # local instance; CPU nodes started with `ray start --resources='{"preprocess": 4}'`:
+        loader = kpipe.ProcessLoader(Images(...), workers=kpipe.RayWorkers(4, resources={"preprocess": 1}))
+        model.fit(loader, epochs=2)
+        loader.close()
     """
 
     count: Union[int, str]

@@ -140,11 +140,20 @@ def via_data_service(dataset, service: str, *, processing_mode: str = "distribut
     Raises:
         ValueError: `processing_mode` is unknown or `service` is not `host:port`.
 
-    Example:
+    On a cluster, pass the dispatcher's `"host:port"` (e.g. `"10.0.0.5:5050"`) and give the
+    result to `fit()`.
 
-        ds = kpipe.data.pipeline(source, map_fn=augment, batch_size=256, seed=0)
-        ds = kpipe.distribute.via_data_service(ds, "10.0.0.5:5050")
-        model.fit(ds, epochs=10)
+    Example (a dispatcher and a worker in this process):
+
+    >>> import warnings, numpy as np, kpipe
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", kpipe.distribute.OpenPortsWarning)
+    ...     d = kpipe.distribute.start_dispatcher()
+    ...     w = kpipe.distribute.start_worker(d.target)
+    >>> ds = kpipe.data.pipeline(kpipe.data.from_numpy(np.arange(8)), batch_size=4)
+    >>> ds = kpipe.distribute.via_data_service(ds, d.target)
+    >>> [b.tolist() for b in ds.as_numpy_iterator()]
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
     """
     if processing_mode not in _PROCESSING_MODES:
         raise ValueError(f"`processing_mode` must be one of {_PROCESSING_MODES}. "

@@ -160,7 +160,8 @@ def ps_fit(model, dataset_fn: Callable, *, epochs: int, steps_per_epoch: int,
             model.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
         history = kpipe.distribute.ps_fit(
             model, lambda ctx: make_dataset().shuffle(1000).batch(64),
-            epochs=5, steps_per_epoch=200, backup_dir="/shared/backup")
+            epochs=3, steps_per_epoch=50, backup_dir="/shared/backup")
+        print(history.history["loss"])
     """
     _check_arguments(epochs, steps_per_epoch, class_weight, validation_steps, verbose,
                      dataset_fn)

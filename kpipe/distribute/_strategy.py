@@ -75,6 +75,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
     Example (run one copy per worker, e.g. with `kpipe launch --workers 2 -- python t.py`):
 
+        keras.utils.set_random_seed(0)  # the same on every worker: fit()'s shuffle draws one order
         strategy = kpipe.distribute.MultiWorkerMirroredStrategy()
         with strategy.scope():
             model = build_model()
