@@ -41,9 +41,21 @@ standardization and the conversion run in a thread (tf.data's or the feed's) and
 the training step; "rest" is the step minus the feed's `next` (feed path) or minus the
 loader and standardization (other paths): TensorFlow's part, and Keras's.
 
+On the JAX and PyTorch backends (`--backend jax|torch`, issue 47) the rows are that
+backend's usual input (NumPy arrays given to fit(); a torch DataLoader), a plain PyDataset,
+on JAX kpipe read in the trainer's own thread as before its JAX feed ("kpipe in-thread"),
+and kpipe through its feed at each `--worker-counts` count. Every row runs once per round,
+`--rounds` rounds interleaved (a change in the machine's load falls on all rows alike); a
+row's figure is its best epoch after the first of each call over the rounds, and the
+median of the rounds' bests beside it; "CPU ms/step" is the CPU time of the whole process
+tree (this process, kpipe's fork server and workers) per step of a call, least of the
+rounds. On JAX a per-batch breakdown follows (the trainer's next(), the loader, Keras's
+standardization, the conversion for JAX).
+
     python scripts/bench_feed.py                       # both sizes, all rows
     python scripts/bench_feed.py --sizes 1.5MB --epochs 6 --json feed.json
     python scripts/bench_feed.py --small               # a smoke test, not a measurement
+    python scripts/bench_feed.py --backend jax --sizes 1.5MB --steps 256 --rounds 5 --worker-counts 1,2,4
 """
 
 import argparse
@@ -463,11 +475,9 @@ def jax_breakdown(model, x, y, steps, epochs, workers, fed):
     """Per-batch microseconds of one kpipe path on JAX (the best epoch after the first): the
     trainer's `next()` (its whole wait for a batch), the loader's `stream_next` and, of it,
     the wait for the worker's message (`_pump`) and the arrays over the slot (`get` minus
-    `_pump`), Keras's `_standardize_batch`, and `jax.device_put` of the batch's leaves (fed:
-    in the feed's thread, beside the step; in-thread: inside the jitted step's call, not
-    separable, so 0)."""
-    import jax
-
+    `_pump`), Keras's `_standardize_batch`, and the conversion for JAX ("to JAX": Keras's
+    leaf conversion, and `jax.device_put` off the CPU; fed: in the feed's thread, beside the
+    step; in-thread: Keras's own, not timed, so 0)."""
     from kpipe import _jax_feed, _stream
 
     clock = _Clock()
@@ -477,7 +487,7 @@ def jax_breakdown(model, x, y, steps, epochs, workers, fed):
     patched = [(adapter_cls, "_standardize_batch"), (_jax_feed._JaxPlacement, "__call__")]
     originals = [getattr(owner, name) for owner, name in patched]
     for (owner, name), fn in zip(patched, originals):
-        setattr(owner, name, clock.wrap("device_put" if name == "__call__" else name, fn))
+        setattr(owner, name, clock.wrap("to_jax" if name == "__call__" else name, fn))
     loader = kpipe.ProcessLoader(Batches(x, y, steps), workers=workers)
     model.make_train_function(force=True)
     step = model.train_function
@@ -518,14 +528,39 @@ def jax_breakdown(model, x, y, steps, epochs, workers, fed):
             setattr(owner, name, fn)
         model.train_function = None
         loader.close()
-        del jax
     rates = [s / t for s, t in timer.epochs]
     best = max(range(1, len(rates)), key=rates.__getitem__) if len(rates) > 1 else 0
     per, n = seen[best], max(1, seen[best]["batches"])
-    us = {k: 1e6 * per.get(k, 0.0) / n for k in ("next", "loader", "get", "pump", "_standardize_batch", "device_put")}
+    us = {k: 1e6 * per.get(k, 0.0) / n for k in ("next", "loader", "get", "pump", "_standardize_batch", "to_jax")}
     return {"path": "kpipe (feed)" if fed else "kpipe in-thread", "steps_per_s": rates[best], "step_us": 1e6 / rates[best],
             "next_us": us["next"], "loader_us": us["loader"], "wait_recv_us": us["pump"],
-            "arrays_us": us["get"] - us["pump"], "standardize_us": us["_standardize_batch"], "device_put_us": us["device_put"]}
+            "arrays_us": us["get"] - us["pump"], "standardize_us": us["_standardize_batch"], "to_jax_us": us["to_jax"]}
+
+
+def tree_cpu_seconds():
+    """CPU seconds (user + system) used so far by this process and every live descendant
+    (the loader's fork server and workers), from /proc; None where there is no /proc."""
+    try:
+        stats = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    except OSError:
+        return None
+    children = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0))[1]
+        todo.extend(children.get(pid, ()))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def backend_main(args, sizes, shapes, epochs, steps, calls, distinct):
@@ -540,16 +575,19 @@ def backend_main(args, sizes, shapes, epochs, steps, calls, distinct):
         shape = shapes[size]
         x, y = make_data(shape, distinct)
         model = make_model(shape)
-        per_row = {row: {"bests": [], "rates": [], "wholes": []} for row in rows}
+        per_row = {row: {"bests": [], "rates": [], "wholes": [], "cpu": []} for row in rows}
         for _ in range(rounds):
             for row in rows:
                 with backend_input(row, x, y, steps, args.workers) as (fit_args, fit_kwargs):
                     timer = EpochTimer()
-                    t0 = time.perf_counter()
+                    cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
                     model.fit(*fit_args, epochs=1 + epochs, verbose=0, callbacks=[timer], **fit_kwargs)
                     whole = (1 + epochs) * steps / (time.perf_counter() - t0)
+                    cpu1 = tree_cpu_seconds()
                 rates = [n / seconds for n, seconds in timer.epochs]
                 mine = per_row[row]
+                if cpu0 is not None and cpu1 is not None:
+                    mine["cpu"].append(1e3 * (cpu1 - cpu0) / ((1 + epochs) * steps))
                 mine["bests"].append(max(rates[1:] or rates))
                 mine["rates"].append(rates)
                 mine["wholes"].append(whole)
@@ -558,7 +596,8 @@ def backend_main(args, sizes, shapes, epochs, steps, calls, distinct):
             best, median = max(mine["bests"]), sorted(mine["bests"])[len(mine["bests"]) // 2]
             results.append({"size": size, "batch_shape": list(shape), "row": row, "steps_per_s": best,
                             "median_steps_per_s": median, "epoch_rates": mine["rates"][-1], "round_rates": mine["rates"],
-                            "whole_steps_per_s": max(mine["wholes"])})
+                            "whole_steps_per_s": max(mine["wholes"]),
+                            "cpu_ms_per_step": min(mine["cpu"]) if mine["cpu"] else None})
             print(f"  {size}: {row:<18} {best:8.0f} steps/s best epoch, {median:8.0f} median of rounds, "
                   f"{max(mine['wholes']):8.0f} whole call", flush=True)
         ref = next(r for r in results if r["size"] == size and r["row"] == rows[0])
@@ -575,19 +614,24 @@ def backend_main(args, sizes, shapes, epochs, steps, calls, distinct):
           f"{rounds} interleaved rounds of 1 warm-up + {epochs} epochs per row; best epoch over the rounds (median of the "
           f"rounds' bests), whole call best; workers={args.workers} where not named; keras {keras.__version__}; "
           f"baseline: {rows[0]}" + (" (--small: smoke test)" if args.small else ""))
-    print(f"{'input':<20}" + "".join(f"{s + ' steps/s':>15}{'vs ' + rows[0]:>10}{'median vs':>11}{'whole vs':>10}" for s in sizes))
+    print("(CPU ms/step: CPU time of this process, the loader's fork server and workers over a whole call, per "
+          "step, least of the rounds: what a step costs the machine, less sensitive to other load than steps/s)")
+    print(f"{'input':<20}" + "".join(f"{s + ' steps/s':>15}{'vs ' + rows[0]:>10}{'median vs':>11}{'whole vs':>10}"
+                                     f"{'CPU ms/step':>13}" for s in sizes))
     for row in rows:
         line = f"{row:<20}"
         for size in sizes:
             r = next(r for r in results if r["size"] == size and r["row"] == row)
-            line += f"{r['steps_per_s']:>15.0f}{r['vs_baseline']:>10.2f}{r['median_vs_baseline']:>11.2f}{r['whole_vs_baseline']:>10.2f}"
+            cpu = r["cpu_ms_per_step"]
+            line += (f"{r['steps_per_s']:>15.0f}{r['vs_baseline']:>10.2f}{r['median_vs_baseline']:>11.2f}"
+                     f"{r['whole_vs_baseline']:>10.2f}{'-' if cpu is None else format(cpu, '.2f'):>13}")
         print(line)
     if parts:
         cols = [("step_us", "step"), ("next_us", "next()"), ("loader_us", "in loader"), ("wait_recv_us", "wait+recv"),
-                ("arrays_us", "arrays"), ("standardize_us", "keras std"), ("device_put_us", "device_put")]
+                ("arrays_us", "arrays"), ("standardize_us", "keras std"), ("to_jax_us", "to JAX")]
         print(f"\nPer-batch time of kpipe on JAX, microseconds (workers={args.workers}, best epoch); next() is the "
               "trainer's wait for a batch; in-thread, the loader runs inside it; fed, the loader, keras std and "
-              "device_put run in the feed's thread:")
+              "to JAX run in the feed's thread:")
         _bench.print_table([("size", "<7", ""), ("path", "<17", "")] + [(title, ">11", ".0f") for _, title in cols],
                            [[b["size"], b["path"]] + [b[key] for key, _ in cols] for b in parts], rule=False)
     if args.json:
