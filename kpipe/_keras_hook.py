@@ -82,6 +82,10 @@ def install():
         from kpipe import _jax_feed
 
         _jax_feed.install()
+    elif _backends.name() == "torch":  # tensors over the slots (NOTE in kpipe/_torch_feed.py)
+        from kpipe import _torch_feed
+
+        _torch_feed.install()
     from kpipe import _compat
 
     _compat.install_keras_fixes()  # a user's own strategy with a ProcessLoader gets them too

@@ -1,8 +1,10 @@
 """The JAX feed's hand-over (kpipe/_jax_feed.py), run by tests/test_backend_jax.py in a fresh
-process with KERAS_BACKEND=jax.
+process with KERAS_BACKEND=jax (and the torch hand-over, kpipe/_torch_feed.py, by
+tests/test_backend_torch.py with KERAS_BACKEND=torch).
 
     python jax_feed_cases.py --out D --phase handover   # every batch Keras's JAX trainer took
     python jax_feed_cases.py --out D --phase fork       # start_method="fork" in a JAX process
+    python jax_feed_cases.py --out D --phase torch_handover   # the same as handover, on torch
 
 `handover`: a ProcessLoader with a small ring (`max_queue_size=2`, 2 workers) trains a model
 while a recorder between Keras's trainer and its jitted step keeps every batch the trainer
@@ -140,6 +142,48 @@ def handover(record, arrays):
         arrays[f"kpipe/{i}"] = w
 
 
+def torch_handover(record, arrays):
+    """On KERAS_BACKEND=torch: the batches the torch trainer took (its train function gets
+    `[batch]`), kept until fit() returns, against the dataset called serially; tensors over
+    the slots (kpipe/_torch_feed.py)."""
+    import torch
+
+    import kpipe
+    from kpipe import _stream
+
+    plain = build()
+    plain.fit(Distinct(), epochs=EPOCHS, shuffle=False, verbose=0)
+    for i, w in enumerate(plain.get_weights()):
+        arrays[f"plain/{i}"] = w
+    model = build()
+    model.make_train_function()
+    step, kept = model.train_function, []
+
+    def recording(data):
+        kept.append(data[0])
+        return step(data)
+
+    model.train_function = recording
+    with kpipe.ProcessLoader(Distinct(), workers=2, max_queue_size=2) as loader:
+        model.fit(loader, epochs=EPOCHS, shuffle=False, verbose=0)
+        backend = _stream.source_of(loader).backend
+        record["slots_held_while_kept"] = backend.slots_held()
+        record["taken"] = len(kept)
+        record["kinds"] = sorted({type(leaf).__name__ for batch in kept for leaf in batch})
+        serial = Distinct()
+        record["equal"] = [
+            all(t.dtype == torch.from_numpy(b).dtype and t.numpy().tobytes() == b.tobytes()
+                for t, b in zip(batch, serial[step_i % BATCHES]))
+            for step_i, batch in enumerate(kept)
+        ]
+        del kept[:]
+        gc.collect()
+        record["slots_held_after_drop"] = backend.slots_held()
+    for i, w in enumerate(model.get_weights()):
+        arrays[f"kpipe/{i}"] = w
+    record["tensorflow_imported"] = "tensorflow" in sys.modules
+
+
 def fork(record, arrays):
     import jax.numpy as jnp
 
@@ -163,10 +207,10 @@ def fork(record, arrays):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--phase", choices=("handover", "fork"), required=True)
+    parser.add_argument("--phase", choices=("handover", "fork", "torch_handover"), required=True)
     args = parser.parse_args()
     record, arrays = {"backend": keras.backend.backend()}, {}
-    {"handover": handover, "fork": fork}[args.phase](record, arrays)
+    {"handover": handover, "fork": fork, "torch_handover": torch_handover}[args.phase](record, arrays)
     _outputs.write(os.path.join(args.out, args.phase), 0, record, arrays)
 
 
