@@ -78,6 +78,14 @@ def install():
     if _backends.is_tensorflow():  # jax/torch: no TensorFlow import (kpipe/_backends.py)
         _wrap_symbolic_build()
         _install_feed()
+    elif _backends.name() == "jax":  # the JAX trainer's feed (NOTE in kpipe/_jax_feed.py)
+        from kpipe import _jax_feed
+
+        _jax_feed.install()
+    elif _backends.name() == "torch":  # tensors over the slots (NOTE in kpipe/_torch_feed.py)
+        from kpipe import _torch_feed
+
+        _torch_feed.install()
     from kpipe import _compat
 
     _compat.install_keras_fixes()  # a user's own strategy with a ProcessLoader gets them too

@@ -130,9 +130,9 @@ class ProcessLoader(keras.utils.PyDataset):
             interpreter (no TensorFlow, no re-import of `__main__`) that unpickles the
             dataset once and forks every worker from it in milliseconds, sharing its
             memory copy-on-write. `"spawn"`: one fresh interpreter per worker (~0.2 s
-            each). `"fork"`: fork this process, refused once TensorFlow is loaded (it
-            deadlocks, keras-team/keras#11461). Defaults to `"forkserver"` on Linux,
-            else `"spawn"`.
+            each). `"fork"`: fork this process, refused once TensorFlow is loaded or
+            JAX's runtime runs (workers hang, keras-team/keras#11461). Defaults to
+            `"forkserver"` on Linux, else `"spawn"`.
         use_threads: Use `workers` threads instead of processes: for I/O-bound
             `__getitem__` that releases the GIL (file reads, decoding in C). Defaults
             to False.

@@ -41,9 +41,21 @@ standardization and the conversion run in a thread (tf.data's or the feed's) and
 the training step; "rest" is the step minus the feed's `next` (feed path) or minus the
 loader and standardization (other paths): TensorFlow's part, and Keras's.
 
+On the JAX and PyTorch backends (`--backend jax|torch`, issue 47) the rows are that
+backend's usual input (NumPy arrays given to fit(); a torch DataLoader), a plain PyDataset,
+on JAX kpipe read in the trainer's own thread as before its JAX feed ("kpipe in-thread"),
+and kpipe through its feed at each `--worker-counts` count. Every row runs once per round,
+`--rounds` rounds interleaved (a change in the machine's load falls on all rows alike); a
+row's figure is its best epoch after the first of each call over the rounds, and the
+median of the rounds' bests beside it; "CPU ms/step" is the CPU time of the whole process
+tree (this process, kpipe's fork server and workers) per step of a call, least of the
+rounds. On JAX a per-batch breakdown follows (the trainer's next(), the loader, Keras's
+standardization, the conversion for JAX).
+
     python scripts/bench_feed.py                       # both sizes, all rows
     python scripts/bench_feed.py --sizes 1.5MB --epochs 6 --json feed.json
     python scripts/bench_feed.py --small               # a smoke test, not a measurement
+    python scripts/bench_feed.py --backend jax --sizes 1.5MB --steps 256 --rounds 5 --worker-counts 1,2,4
 """
 
 import argparse
@@ -341,6 +353,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=64, help="batches per epoch. Default: 64")
     parser.add_argument("--distinct", type=int, default=16, help="distinct batches held in memory, served round-robin. Default: 16")
     parser.add_argument("--workers", type=int, default=2, help="workers of the kpipe and Keras multiprocessing rows. Default: 2")
+    parser.add_argument("--worker-counts", metavar="N,N", help="jax/torch: a kpipe row per worker count (e.g. 1,2,4). "
+                        "Default: --workers")
+    parser.add_argument("--rounds", type=int, default=3, help="jax/torch: interleaved rounds of every row. Default: 3")
     parser.add_argument("--calls", type=int, default=7, help="fit(epochs=1) calls timed to their first step, per row. Default: 7")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-batch breakdown of the kpipe paths")
     parser.add_argument("--small", action="store_true", help="tiny batches, 8 steps, 1 timed epoch: a smoke test, not a measurement")
@@ -356,9 +371,10 @@ def main(argv=None):
     sizes = _bench.parse_names(parser, "--sizes", args.sizes, _SIZES)
     rows = _bench.parse_names(parser, "--rows", args.rows, _ROWS, allow_empty=True)
     rows = ["tf.data"] + [r for r in _ROWS[1:] if r in rows]
-    for name in ("epochs", "steps", "distinct", "workers", "calls"):
+    for name in ("epochs", "steps", "distinct", "workers", "calls", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1. Received: {getattr(args, name)}")
+    args.counts = _bench.parse_counts(parser, "--worker-counts", args.worker_counts) if args.worker_counts else [args.workers]
     shapes = _SMALL_SIZES if args.small else _SIZES
     epochs, steps = (1, 8) if args.small else (args.epochs, args.steps)
     calls = 2 if args.small else args.calls
@@ -405,8 +421,31 @@ def main(argv=None):
     return 0
 
 
-def _backend_rows(backend):
-    return (("torch DataLoader",) if backend == "torch" else ()) + ("numpy", "PyDataset", "kpipe")
+def _backend_rows(backend, counts):
+    """The baseline first, then a plain PyDataset, kpipe handed over in Keras's thread (JAX:
+    the adapter's own iterator, as before kpipe's JAX feed), and kpipe at each worker count."""
+    base = ("torch DataLoader",) if backend == "torch" else ("numpy",)
+    before = ("kpipe in-thread",) if backend == "jax" else ()
+    return base + ("PyDataset",) + before + tuple(f"kpipe workers={n}" for n in counts)
+
+
+@contextlib.contextmanager
+def without_jax_feed(active=True):
+    """Hands ProcessLoaders to Keras's JAX trainer through the adapter's own iterator (read
+    in the trainer's thread), as before kpipe's JAX feed (kpipe/_jax_feed.py)."""
+    from keras.src.trainers import data_adapters
+
+    adapter = data_adapters.PyDatasetAdapter
+    plain = getattr(adapter, "_kpipe_plain_jax_iterator", None)
+    if not active or plain is None:
+        yield
+        return
+    fed = adapter.get_jax_iterator
+    adapter.get_jax_iterator = plain
+    try:
+        yield
+    finally:
+        adapter.get_jax_iterator = fed
 
 
 @contextlib.contextmanager
@@ -426,48 +465,179 @@ def backend_input(row, x, y, steps, workers):
     elif row == "PyDataset":
         yield (Batches(x, y, steps),), {}
     else:
-        with kpipe.ProcessLoader(Batches(x, y, steps), workers=workers) as loader:
-            yield (loader,), {}
+        count = int(row.rsplit("=", 1)[1]) if "=" in row else workers
+        with without_jax_feed(row == "kpipe in-thread"):
+            with kpipe.ProcessLoader(Batches(x, y, steps), workers=count) as loader:
+                yield (loader,), {}
+
+
+def jax_breakdown(model, x, y, steps, epochs, workers, fed):
+    """Per-batch microseconds of one kpipe path on JAX (the best epoch after the first): the
+    trainer's `next()` (its whole wait for a batch), the loader's `stream_next` and, of it,
+    the wait for the worker's message (`_pump`) and the arrays over the slot (`get` minus
+    `_pump`), Keras's `_standardize_batch`, and the conversion for JAX ("to JAX": Keras's
+    leaf conversion, and `jax.device_put` off the CPU; fed: in the feed's thread, beside the
+    step; in-thread: Keras's own, not timed, so 0)."""
+    from kpipe import _jax_feed, _stream
+
+    clock = _Clock()
+    from keras.src.trainers import data_adapters
+
+    adapter_cls = data_adapters.PyDatasetAdapter
+    patched = [(adapter_cls, "_standardize_batch"), (_jax_feed._JaxPlacement, "__call__")]
+    originals = [getattr(owner, name) for owner, name in patched]
+    for (owner, name), fn in zip(patched, originals):
+        setattr(owner, name, clock.wrap("to_jax" if name == "__call__" else name, fn))
+    loader = kpipe.ProcessLoader(Batches(x, y, steps), workers=workers)
+    model.make_train_function(force=True)
+    step = model.train_function
+    try:
+        reader = _stream.source_of(loader)
+        reader.stream_next = clock.wrap("loader", reader.stream_next)
+        backend = reader.backend
+        backend.get = clock.wrap("get", backend.get)
+        backend._pump = clock.wrap("pump", backend._pump)
+        timer, seen = EpochTimer(), []
+
+        def timed_step(state, iterator):  # the trainer's next(): what the step waits for its batch
+            class Timed:
+                def __next__(self):
+                    t0 = time.perf_counter()
+                    try:
+                        return next(iterator)
+                    finally:
+                        clock.total["next"] = clock.total.get("next", 0.0) + time.perf_counter() - t0
+
+            return step(state, Timed())
+
+        model.train_function = timed_step
+
+        class Reset(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                clock.reset()
+                clock.total["next"] = 0.0
+                self.batches0 = loader.stats()["batches"]
+
+            def on_epoch_end(self, epoch, logs=None):
+                seen.append(dict(clock.total, batches=loader.stats()["batches"] - self.batches0))
+
+        with without_jax_feed(not fed):
+            model.fit(loader, epochs=1 + epochs, verbose=0, callbacks=[timer, Reset()])
+    finally:
+        for (owner, name), fn in zip(patched, originals):
+            setattr(owner, name, fn)
+        model.train_function = None
+        loader.close()
+    rates = [s / t for s, t in timer.epochs]
+    best = max(range(1, len(rates)), key=rates.__getitem__) if len(rates) > 1 else 0
+    per, n = seen[best], max(1, seen[best]["batches"])
+    us = {k: 1e6 * per.get(k, 0.0) / n for k in ("next", "loader", "get", "pump", "_standardize_batch", "to_jax")}
+    return {"path": "kpipe (feed)" if fed else "kpipe in-thread", "steps_per_s": rates[best], "step_us": 1e6 / rates[best],
+            "next_us": us["next"], "loader_us": us["loader"], "wait_recv_us": us["pump"],
+            "arrays_us": us["get"] - us["pump"], "standardize_us": us["_standardize_batch"], "to_jax_us": us["to_jax"]}
+
+
+def tree_cpu_seconds():
+    """CPU seconds (user + system) used so far by this process and every live descendant
+    (the loader's fork server and workers), from /proc; None where there is no /proc."""
+    try:
+        stats = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    except OSError:
+        return None
+    children = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0))[1]
+        todo.extend(children.get(pid, ()))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def backend_main(args, sizes, shapes, epochs, steps, calls, distinct):
-    """`fit()` steps/s from kpipe against the backend's usual input, side by side in one run."""
-    rows = _backend_rows(args.backend)
-    results = []
+    """`fit()` steps/s from kpipe against the backend's usual input, side by side in one run:
+    `--rounds` rounds, each running every row once (interleaved, so that a change in the
+    machine's load falls on all rows alike); a row's figure is its best epoch after the
+    first of each call, over the rounds (the median of those per-round bests too)."""
+    rows = _backend_rows(args.backend, args.counts)
+    rounds = 1 if args.small else args.rounds
+    results, parts = [], []
     for size in sizes:
         shape = shapes[size]
         x, y = make_data(shape, distinct)
         model = make_model(shape)
+        per_row = {row: {"bests": [], "rates": [], "wholes": [], "cpu": []} for row in rows}
+        for _ in range(rounds):
+            for row in rows:
+                with backend_input(row, x, y, steps, args.workers) as (fit_args, fit_kwargs):
+                    timer = EpochTimer()
+                    cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
+                    model.fit(*fit_args, epochs=1 + epochs, verbose=0, callbacks=[timer], **fit_kwargs)
+                    whole = (1 + epochs) * steps / (time.perf_counter() - t0)
+                    cpu1 = tree_cpu_seconds()
+                rates = [n / seconds for n, seconds in timer.epochs]
+                mine = per_row[row]
+                if cpu0 is not None and cpu1 is not None:
+                    mine["cpu"].append(1e3 * (cpu1 - cpu0) / ((1 + epochs) * steps))
+                mine["bests"].append(max(rates[1:] or rates))
+                mine["rates"].append(rates)
+                mine["wholes"].append(whole)
         for row in rows:
-            with backend_input(row, x, y, steps, args.workers) as (fit_args, fit_kwargs):
-                timer = EpochTimer()
-                t0 = time.perf_counter()
-                model.fit(*fit_args, epochs=1 + epochs, verbose=0, callbacks=[timer], **fit_kwargs)
-                whole = (1 + epochs) * steps / (time.perf_counter() - t0)
-            rates = [n / seconds for n, seconds in timer.epochs]
-            best = max(rates[1:] or rates)
+            mine = per_row[row]
+            best, median = max(mine["bests"]), sorted(mine["bests"])[len(mine["bests"]) // 2]
             results.append({"size": size, "batch_shape": list(shape), "row": row, "steps_per_s": best,
-                            "epoch_rates": rates, "whole_steps_per_s": whole})
-            print(f"  {size}: {row:<18} {best:8.0f} steps/s best epoch, {whole:8.0f} whole call", flush=True)
+                            "median_steps_per_s": median, "epoch_rates": mine["rates"][-1], "round_rates": mine["rates"],
+                            "whole_steps_per_s": max(mine["wholes"]),
+                            "cpu_ms_per_step": min(mine["cpu"]) if mine["cpu"] else None})
+            print(f"  {size}: {row:<18} {best:8.0f} steps/s best epoch, {median:8.0f} median of rounds, "
+                  f"{max(mine['wholes']):8.0f} whole call", flush=True)
         ref = next(r for r in results if r["size"] == size and r["row"] == rows[0])
         for r in results:
             if r["size"] == size:
                 r["vs_baseline"] = r["steps_per_s"] / ref["steps_per_s"]
+                r["median_vs_baseline"] = r["median_steps_per_s"] / ref["median_steps_per_s"]
                 r["whole_vs_baseline"] = r["whole_steps_per_s"] / ref["whole_steps_per_s"]
+        if args.backend == "jax" and not args.no_breakdown:
+            for fed in (False, True):
+                parts.append(dict(jax_breakdown(model, x, y, steps, epochs, args.workers, fed), size=size, workers=args.workers))
         del model, x, y
     print(f"\nFeed benchmark on Keras's {args.backend} backend: {len(os.sched_getaffinity(0))} CPUs, {steps} steps per epoch, "
-          f"best of 1 warm-up + {epochs} epochs (and the whole call), workers={args.workers}, keras {keras.__version__}; "
+          f"{rounds} interleaved rounds of 1 warm-up + {epochs} epochs per row; best epoch over the rounds (median of the "
+          f"rounds' bests), whole call best; workers={args.workers} where not named; keras {keras.__version__}; "
           f"baseline: {rows[0]}" + (" (--small: smoke test)" if args.small else ""))
-    print(f"{'input':<18}" + "".join(f"{s + ' steps/s':>17}{'vs ' + rows[0]:>22}{'whole vs':>10}" for s in sizes))
+    print("(CPU ms/step: CPU time of this process, the loader's fork server and workers over a whole call, per "
+          "step, least of the rounds: what a step costs the machine, less sensitive to other load than steps/s)")
+    print(f"{'input':<20}" + "".join(f"{s + ' steps/s':>15}{'vs ' + rows[0]:>10}{'median vs':>11}{'whole vs':>10}"
+                                     f"{'CPU ms/step':>13}" for s in sizes))
     for row in rows:
-        line = f"{row:<18}"
+        line = f"{row:<20}"
         for size in sizes:
             r = next(r for r in results if r["size"] == size and r["row"] == row)
-            line += f"{r['steps_per_s']:>17.0f}{r['vs_baseline']:>22.2f}{r['whole_vs_baseline']:>10.2f}"
+            cpu = r["cpu_ms_per_step"]
+            line += (f"{r['steps_per_s']:>15.0f}{r['vs_baseline']:>10.2f}{r['median_vs_baseline']:>11.2f}"
+                     f"{r['whole_vs_baseline']:>10.2f}{'-' if cpu is None else format(cpu, '.2f'):>13}")
         print(line)
+    if parts:
+        cols = [("step_us", "step"), ("next_us", "next()"), ("loader_us", "in loader"), ("wait_recv_us", "wait+recv"),
+                ("arrays_us", "arrays"), ("standardize_us", "keras std"), ("to_jax_us", "to JAX")]
+        print(f"\nPer-batch time of kpipe on JAX, microseconds (workers={args.workers}, best epoch); next() is the "
+              "trainer's wait for a batch; in-thread, the loader runs inside it; fed, the loader, keras std and "
+              "to JAX run in the feed's thread:")
+        _bench.print_table([("size", "<7", ""), ("path", "<17", "")] + [(title, ">11", ".0f") for _, title in cols],
+                           [[b["size"], b["path"]] + [b[key] for key, _ in cols] for b in parts], rule=False)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"backend": args.backend, "rows": results, "argv": sys.argv[1:]}, f, indent=2)
+            json.dump({"backend": args.backend, "rows": results, "breakdown": parts, "rounds": rounds,
+                       "argv": sys.argv[1:]}, f, indent=2)
     return 0
 
 

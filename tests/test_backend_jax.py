@@ -135,3 +135,47 @@ def test_two_jax_processes_each_loading_its_shard_equal_one_process(tmp_path):
     for a, b in zip(checks.weights(a0, "multiprocess"), checks.weights(a0, "one_process")):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert all(x.tobytes() == y.tobytes() for x, y in zip(checks.weights(a0, "multiprocess"), checks.weights(a1, "multiprocess")))
+
+
+@pytest.fixture(scope="module")
+def handover(tmp_path_factory):
+    out = tmp_path_factory.mktemp("jax_feed")
+    checks._outputs.run_program("jax_feed_cases.py", out, "--phase", "handover", backend="jax", timeout=300)
+    return checks._outputs.read(out / "handover", 0)
+
+
+def test_batches_handed_to_the_jax_trainer_equal_the_dataset_called_serially(handover):
+    """Differential: every batch Keras's JAX trainer took through kpipe's feed, kept until
+    fit() returned (as NumPy arrays over the slots, or as JAX arrays aliasing them), equals
+    the dataset's batch called serially, byte for byte; training ends with plain Keras's
+    weights (tests/programs/jax_feed_cases.py)."""
+    record, arrays = handover
+    assert record["backend"] == "jax" and record["iterators"] == ["JaxFeed"]
+    assert record["taken"] == 24 and record["equal"] == [True] * 24
+    assert record["kinds"] == ["ndarray", "ArrayImpl"]
+    for i in range(2):
+        assert arrays[f"kpipe/{i}"].tobytes() == arrays[f"plain/{i}"].tobytes()
+    assert record["tensorflow_imported"] is False
+
+
+def test_kept_batches_keep_their_slots_and_give_them_back_when_dropped(handover):
+    """Zero copy on the CPU: the handed NumPy arrays view the loader's slots and a JAX array
+    made from one aliases it; each kept batch (24, in a ring sized for 2) held its own slot,
+    none was reused under it, and dropping them gave every slot back."""
+    record, _ = handover
+    assert record["numpy_views_slot"] and record["jax_aliases_slot"]
+    assert record["slots_held_while_kept"] == 24
+    assert record["slots_held_after_drop"] == 0
+
+
+def test_fork_start_method_is_refused_once_jax_runtime_runs(tmp_path):
+    """`start_method="fork"` in a process running JAX's runtime: a ValueError naming the
+    cause and the fix (the fork server, the default, or spawn), both of which then load."""
+    checks._outputs.run_program("jax_feed_cases.py", tmp_path, "--phase", "fork", backend="jax", timeout=240)
+    record, _ = checks._outputs.read(tmp_path / "fork", 0)
+    assert record["runtime_before"] is False and record["runtime_after"] is True  # importing Keras/JAX starts none
+    kind, message = record["fork_error"]
+    assert kind == "ValueError"
+    assert "JAX's runtime runs in this process" in message and "Received: start_method='fork'" in message
+    assert "start_method='forkserver' (the default" in message and "'spawn'" in message
+    assert record["forkserver_batch0"] and record["spawn_batch0"]

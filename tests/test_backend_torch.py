@@ -70,3 +70,19 @@ def test_backup_resumes_mid_epoch_in_a_new_process_bit_identical(first):
     assert (record["restored_epoch"], record["restored_step"]) == (1, 10)
     full = checks.weights(arrays, "backup/full")
     assert [w.tobytes() for w in checks.weights(resumed, "backup/resumed")] == [w.tobytes() for w in full]
+
+
+def test_batches_handed_to_the_torch_trainer_are_tensors_over_the_slots_equal_the_dataset(tmp_path):
+    """Differential, zero copy (kpipe/_torch_feed.py): every batch the torch trainer took,
+    kept until fit() returned, is torch tensors equal to the dataset called serially, byte
+    for byte; each kept batch held its own slot (24 through a loader with max_queue_size=2:
+    the tensors are the slots' memory, not Keras's copy of it), all given back once dropped;
+    training ends with plain Keras's weights (tests/programs/jax_feed_cases.py)."""
+    checks._outputs.run_program("jax_feed_cases.py", tmp_path, "--phase", "torch_handover", backend="torch", timeout=300)
+    record, arrays = checks._outputs.read(tmp_path / "torch_handover", 0)
+    assert record["backend"] == "torch" and record["kinds"] == ["Tensor"]
+    assert record["taken"] == 24 and record["equal"] == [True] * 24
+    assert record["slots_held_while_kept"] == 24 and record["slots_held_after_drop"] == 0
+    for i in range(2):
+        assert arrays[f"kpipe/{i}"].tobytes() == arrays[f"plain/{i}"].tobytes()
+    assert record["tensorflow_imported"] is False

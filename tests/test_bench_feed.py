@@ -104,12 +104,32 @@ def test_bench_feed_backend_jax_compares_kpipe_with_numpy_arrays(tmp_path):
     out = tmp_path / "feed-jax.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_feed.py"), "--backend", "jax", "--small", "--sizes", "1.5MB",
-         "--json", str(out)], capture_output=True, text=True, timeout=280,
+         "--worker-counts", "1,2", "--json", str(out)], capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["backend"] == "jax"
-    assert [r["row"] for r in result["rows"]] == ["numpy", "PyDataset", "kpipe"]
+    assert result["backend"] == "jax" and result["rounds"] == 1
+    assert [r["row"] for r in result["rows"]] == ["numpy", "PyDataset", "kpipe in-thread", "kpipe workers=1", "kpipe workers=2"]
     assert all(r["steps_per_s"] > 0 and len(r["epoch_rates"]) == 2 for r in result["rows"])
-    assert result["rows"][0]["vs_baseline"] == 1.0
-    assert "baseline: numpy" in proc.stdout
+    assert all(r["cpu_ms_per_step"] is None or r["cpu_ms_per_step"] > 0 for r in result["rows"])
+    assert result["rows"][0]["vs_baseline"] == 1.0 and result["rows"][0]["median_vs_baseline"] == 1.0
+    # the per-batch breakdown: in Keras's thread the loader runs inside the trainer's next();
+    # through the feed, the conversion for JAX (device_put off the CPU) runs in the feed's thread
+    paths = {b["path"]: b for b in result["breakdown"]}
+    assert sorted(paths) == ["kpipe (feed)", "kpipe in-thread"]
+    assert all(b["loader_us"] > 0 and b["next_us"] > 0 and b["step_us"] > 0 for b in paths.values())
+    assert paths["kpipe in-thread"]["to_jax_us"] == 0 and paths["kpipe (feed)"]["to_jax_us"] > 0
+    assert "baseline: numpy" in proc.stdout and "CPU ms/step" in proc.stdout and "Per-batch time of kpipe on JAX" in proc.stdout
+
+
+def test_bench_feed_rejects_bad_worker_counts_and_rounds(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import bench_feed
+    finally:
+        sys.path.pop(0)
+    for bad in (["--worker-counts", "0,2"], ["--worker-counts", "two"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as info:
+            bench_feed.main(bad)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "Received" in err, (bad, err[-500:])

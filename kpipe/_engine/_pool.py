@@ -98,7 +98,6 @@ import collections
 import itertools
 import math
 import select
-import sys
 import weakref
 
 from kpipe._engine import _pickling, _procs, _tree, _wire
@@ -107,7 +106,7 @@ from kpipe._engine._workerset import WorkerSet, work_pending
 from kpipe._engine._shm import SlotPool, fd_limit_error, is_fd_exhaustion, plan_layout, raise_fd_limit, take_interrupt
 from kpipe._engine._procs import WORKER_ENV as _WORKER_ENV  # noqa: F401 (scripts/bench_loaders.py)
 from kpipe._engine._procs import describe_exit
-from kpipe._engine._worker import pack_exception, rebuild_exception
+from kpipe._engine._worker import fork_hazard, pack_exception, rebuild_exception
 from kpipe.errors import (
     BatchTimeoutError,
     LoaderClosedError,
@@ -138,12 +137,12 @@ class ProcessBackend(WorkerSet, Backend):
                 f"Invalid value for argument `start_method`. Received: start_method={start_method!r}. "
                 f"Expected one of {_START_METHODS} or None (spawn)."
             )
-        if start_method == "fork" and ("tensorflow" in sys.modules or "jax" in sys.modules):
+        hazard = fork_hazard() if start_method == "fork" else None
+        if hazard:
             raise ValueError(
-                "`start_method='fork'` is unsafe here: TensorFlow is loaded in this process, and "
-                "forking it deadlocks workers (keras-team/keras#11461). Received: "
-                "start_method='fork'. Use start_method='spawn' (the default): kpipe's spawned "
-                "workers start in ~0.2 s and do not import TensorFlow."
+                f"`start_method='fork'` is unsafe here: {hazard}. Received: start_method='fork'. Use "
+                "start_method='forkserver' (the default: a fresh server process forks the workers) or "
+                "'spawn'; neither imports TensorFlow or starts JAX's runtime in the workers."
             )
         self.name = name
         self.timeout = timeout  # seconds; None or inf: no limit

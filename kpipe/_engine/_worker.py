@@ -392,13 +392,33 @@ def _fork_main(conn, parent_pid):
 _ZYGOTE_POLL_S = 0.2
 
 
+def jax_runtime_started():
+    """Whether JAX's runtime (its XLA backends, with their thread pools) runs in this
+    process. Importing JAX, as Keras's JAX backend does, starts none; the first JAX
+    array or computation does."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))
+
+
+def fork_hazard():
+    """Why workers forked from this process (`start_method="fork"`) would hang, or None:
+    TensorFlow is loaded (keras-team/keras#11461), or JAX's runtime runs here (forked
+    children inherit its locks but not its threads; JAX itself warns that os.fork() is
+    incompatible with multithreaded code)."""
+    if "tensorflow" in sys.modules:
+        return "TensorFlow is loaded in this process, and forking it deadlocks workers (keras-team/keras#11461)"
+    if jax_runtime_started():
+        return ("JAX's runtime runs in this process (its XLA backends' thread pools), and workers forked "
+                "from it hang on them (JAX warns that os.fork() is incompatible with multithreaded code)")
+    return None
+
+
 def _check_fork_safe():
     """The fork server forks every worker: refuse, with the fix, a target whose unpickling
     started JAX's runtime (a dataset holding JAX arrays: the XLA client's thread pools,
     which forked workers would hang on -- JAX says so itself). Importing JAX, as Keras's
     JAX backend does, starts no runtime and is fine."""
-    bridge = sys.modules.get("jax._src.xla_bridge")
-    if getattr(bridge, "_backends", None):
+    if jax_runtime_started():
         raise LoaderError(
             "Unpickling the dataset in kpipe's fork server started JAX's runtime (the dataset "
             "holds JAX arrays), whose threads workers forked from it would hang on. Pass "

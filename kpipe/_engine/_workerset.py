@@ -43,7 +43,7 @@ import time
 from kpipe._engine import _autoscale, _procs, _threads, _wire
 from kpipe._engine import worker_info as _wi
 from kpipe._engine._shm import fd_limit_error, is_fd_exhaustion
-from kpipe._engine._worker import rebuild_exception
+from kpipe._engine._worker import fork_hazard, rebuild_exception
 from kpipe.errors import BatchTimeoutError, LoaderError
 from multiprocessing import connection as mp_connection
 
@@ -165,10 +165,11 @@ class WorkerSet:
                 f"Cannot run more than max_workers={self._info_workers} workers for `{self.name}`. "
                 f"Received: count={count} with {len(self._active)} running."
             )
-        if self._start_method == "fork" and ("tensorflow" in sys.modules or "jax" in sys.modules):
+        hazard = fork_hazard() if self._start_method == "fork" else None
+        if hazard:
             raise LoaderError(
-                f"Cannot add workers to `{self.name}`: start_method='fork' is unsafe once TensorFlow is "
-                "loaded (keras-team/keras#11461). Use start_method='forkserver' (the default) or 'spawn'."
+                f"Cannot add workers to `{self.name}`: start_method='fork' is unsafe here: {hazard}. "
+                "Use start_method='forkserver' (the default) or 'spawn'."
             )
         used = {p.id for p in self._workers}
         ids = [i for i in range(len(used) + count) if i not in used][:count]
