@@ -21,6 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import kpipe  # noqa: E402
 from _datasets import Squares  # noqa: E402
+from _ray_datasets import Ballasted, SlowSquares  # noqa: E402
 from conftest import gone, reader_of  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(400)]
@@ -217,6 +218,45 @@ def test_a_node_added_back_mid_fit_gets_the_replacements_which_take_batches(clus
             back = [a for a in backend.actors() if a["node"] == added[0].node_id]
             assert len(back) == 2 and all(a["loads"] > 0 for a in back), backend.actors()  # they took batches
             assert _states(backend) == ["live"] * 4
+        _assert_same(model.get_weights(), want)
+        assert _loaders_actors() == 0
+    finally:
+        _remove_left(cluster, nodes)
+
+
+def test_auto_grows_back_to_what_the_cluster_places_when_a_lost_node_returns(cluster):
+    nodes = [_spot(cluster) for _ in range(2)]
+    try:
+        want = _plain_weights(16, epochs=5)
+        model = _model()
+        # I/O-bound batches (0.1 s of waiting each) and a quick consumer: the controller adds actors up to what
+        # the cluster places, and, as the consumer waits for them, never retires one
+        with kpipe.ProcessLoader(SlowSquares(n=16), workers=kpipe.RayWorkers("auto", resources=SPOT),
+                                 timeout=60) as loader:
+            backend = reader_of(loader).backend
+            assert backend.capacity() == (4.0, 4) and backend.num_workers == 2  # 2 nodes x {"spot": 2, CPU: 2}
+            seen, added = {}, []
+
+            def shrink_and_grow(epoch):
+                seen[epoch] = (_states(backend), backend.num_workers, backend.capacity()[1])
+                if epoch == 0:
+                    assert _placed(4)  # the 2 actors added (the next read takes them in)
+                elif epoch == 1:  # the 4 actors hold every CPU of both nodes: no room for a replacement
+                    _lose(cluster, _node_of(nodes, backend), backend)
+                elif epoch == 2:
+                    added.append(_spot(cluster))  # (`ray start` again, or the autoscaler)
+                    assert _placed(4)
+
+            model.fit(loader, epochs=5, verbose=0, shuffle=False, callbacks=[_on_epoch_end(shrink_and_grow)])
+            nodes += added
+            assert loader.stats()["loads"] == 80  # each batch delivered once per epoch, in order (the weights)
+            assert seen[1] == (["live"] * 4, 4, 4)  # grown to what the cluster places
+            assert seen[2] == (["live", "live", "starting", "starting"], 4, 2)  # fewer: 2 live, 2 replacements wait
+            assert seen[4] == (["live"] * 4, 4, 4)  # back to what the cluster places
+            back = [a for a in backend.actors() if a["node"] == added[0].node_id]
+            assert len(back) == 2 and all(a["loads"] > 0 for a in back), backend.actors()  # they took batches
+            grew = [(d["workers_from"], d["workers_to"]) for d in loader.stats()["auto_decisions"]]
+            assert grew == [(2, 4)], grew  # (no actor retired meanwhile: the count came back by the replacements)
         _assert_same(model.get_weights(), want)
         assert _loaders_actors() == 0
     finally:
