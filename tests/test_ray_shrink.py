@@ -358,10 +358,11 @@ def _loaders_actors_at_most(count, within_s=60.0):
 def test_no_actor_live_for_timeout_is_the_named_error_and_leaves_no_actor(cluster):
     node = _spot(cluster)
     try:
-        loader = kpipe.ProcessLoader(Squares(n=8), workers=kpipe.RayWorkers(2, resources=SPOT), timeout=5,
-                                     max_queue_size=4)
+        loader = kpipe.ProcessLoader(Squares(n=8), workers=kpipe.RayWorkers(2, resources=SPOT), timeout=120,
+                                     max_queue_size=4)  # (a loaded machine may take more than 5 s to start them)
         assert [float(loader[i][0][0, 0]) for i in range(2)] == [0.0, 10.0]
         backend = reader_of(loader).backend
+        backend.timeout = 5.0  # (from now on: how long no actor may be live)
         _lose(cluster, node, backend)  # every actor lost, and nowhere to place one
         t0 = time.monotonic()
         with pytest.raises(kpipe.BatchTimeoutError, match=r"did not start within timeout=5.0 s \(and none was live "
