@@ -229,9 +229,9 @@ def test_auto_grows_back_to_what_the_cluster_places_when_a_lost_node_returns(clu
     try:
         want = _plain_weights(16, epochs=5)
         model = _model()
-        # I/O-bound batches (0.1 s of waiting each) and a quick consumer: the controller adds actors up to what
+        # I/O-bound batches (0.2 s of waiting each) and a quick consumer: the controller adds actors up to what
         # the cluster places, and, as the consumer waits for them, never retires one
-        with kpipe.ProcessLoader(SlowSquares(n=16), workers=kpipe.RayWorkers("auto", resources=SPOT),
+        with kpipe.ProcessLoader(SlowSquares(n=16, stall_s=0.2), workers=kpipe.RayWorkers("auto", resources=SPOT),
                                  timeout=60) as loader:
             backend = reader_of(loader).backend
             assert backend.capacity() == (4.0, 4) and backend.num_workers == 2  # 2 nodes x {"spot": 2, CPU: 2}
@@ -255,8 +255,8 @@ def test_auto_grows_back_to_what_the_cluster_places_when_a_lost_node_returns(clu
             assert seen[4] == (["live"] * 4, 4, 4)  # back to what the cluster places
             back = [a for a in backend.actors() if a["node"] == added[0].node_id]
             assert len(back) == 2 and all(a["loads"] > 0 for a in back), backend.actors()  # they took batches
-            grew = [(d["workers_from"], d["workers_to"]) for d in loader.stats()["auto_decisions"]]
-            assert grew == [(2, 4)], grew  # (no actor retired meanwhile: the count came back by the replacements)
+            changes = [(d["workers_from"], d["workers_to"]) for d in loader.stats()["auto_decisions"]]
+            assert all(b > a for a, b in changes), changes  # (none retired: the count came back by the replacements)
         _assert_same(model.get_weights(), want)
         assert _loaders_actors() == 0
     finally:
