@@ -42,18 +42,41 @@ BACKENDS = {"inline": _inline, "threads": _threads, "processes": _processes, "ra
 CAPABILITIES = ("keeps_copy", "has_slots", "can_send_state", "can_resize", "thread_budget")
 
 
-@pytest.fixture(params=[pytest.param(name, marks=[pytest.mark.ray] if name == "ray" else []) for name in sorted(BACKENDS)])
-def make(request):
-    made = []
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=[pytest.mark.ray] if name == "ray" else [])
+                                        for name in sorted(BACKENDS)])
+def kind(request):
+    """A backend's name; for Ray's, one local Ray instance for all its tests, started before
+    a test's `no_leaks` looks at this process's children (each RayBackend connects to it and
+    leaves it running: starting and stopping one per test took about a third of the time)."""
+    if request.param != "ray":
+        yield request.param
+        return
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kpipe[ray]')")
+    # (no idle worker kept: one Ray started for an actor creation cancelled is ended, not pooled)
+    ray.init(address="local", num_cpus=2, logging_level="WARNING", log_to_driver=False, include_dashboard=False,
+             _system_config={"num_workers_soft_limit": 0})
+    try:
+        yield request.param
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def make(kind):
+    from conftest import gone, kpipe_children
+
+    made, before = [], {p.pid for p in kpipe_children()}
 
     def make(target):
-        backend = BACKENDS[request.param](target)
+        backend = BACKENDS[kind](target)
         made.append(backend)
         return backend
 
     yield make
     for backend in made:
         backend.close()
+    if kind == "ray":  # (a killed actor's process ends a moment later: then `no_leaks` finds none)
+        assert gone([p.pid for p in kpipe_children() if p.pid not in before])
 
 
 def _equal(a, b):

@@ -609,6 +609,8 @@ def test_bench_ray_quick_run_reports_every_row_and_its_target(tmp_path):
                                                               "(shrink"]
     shrunk = result["shrink"]  # a node lost at full capacity and added back: every figure measured
     assert all(shrunk[k] > 0 for k in ("only_left", "before", "left", "back", "longest_wait_s", "placed_after_s"))
+    # the dip's length: within the 24 batches read after the loss (that window lasts lost_s + 24 / left)
+    assert 0 <= shrunk["dip_s"] <= shrunk["lost_s"] + 24 / shrunk["left"] + 1e-6
     c_actors = [r for r in result["results"] if r["row"] == "c" and r["arm"].startswith("ray")]
     assert all(len(r["actor_nodes"]) == 2 for r in c_actors)  # spread over the two "io" nodes
 
