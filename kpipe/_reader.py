@@ -419,7 +419,7 @@ class Reader:
         if self.remote is not None:
             backend = RayBackend(self.dataset, workers=self.remote, timeout=self.timeout, seed=self.position.seed, name=self.name,
                                  num_workers=self.num_workers, worker_threads=self.worker_threads,
-                                 max_workers=self.autoscale.max_workers if self.autoscale else None)
+                                 max_workers=self.autoscale.ceiling if self.autoscale else None)
         elif self.num_workers == 0:
             backend = InlineBackend(self.dataset, **common)
         elif self.use_threads:

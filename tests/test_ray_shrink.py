@@ -263,6 +263,35 @@ def test_auto_grows_back_to_what_the_cluster_places_when_a_lost_node_returns(clu
         _remove_left(cluster, nodes)
 
 
+def test_auto_grows_past_its_start_size_when_the_cluster_gains_a_node(cluster):
+    nodes = [_spot(cluster)]
+    try:
+        epochs = 8
+        want = _plain_weights(16, epochs=epochs)
+        model = _model()
+        with kpipe.ProcessLoader(SlowSquares(n=16, stall_s=0.2), workers=kpipe.RayWorkers("auto", resources=SPOT),
+                                 timeout=60) as loader:
+            backend = reader_of(loader).backend
+            assert backend.capacity() == (2.0, 2)  # one node x {"spot": 2, CPU: 2}: what the loader starts with
+            seen = {}
+
+            def grow(epoch):
+                seen[epoch] = backend.num_workers
+                if epoch == 0:
+                    nodes.append(_spot(cluster))  # (`ray start` on a new host, or the autoscaler)
+
+            model.fit(loader, epochs=epochs, verbose=0, shuffle=False, callbacks=[_on_epoch_end(grow)])
+            assert seen[0] == 2  # all the one node placed
+            assert backend.num_workers == 4 and backend.capacity() == (4.0, 4), (seen, loader.stats()["auto_decisions"])
+            new = [a for a in backend.actors() if a["node"] == nodes[1].node_id]
+            assert len(new) == 2 and all(a["loads"] > 0 for a in new), backend.actors()  # the new node's actors loaded
+            assert loader.stats()["loads"] == 16 * epochs  # each batch once per epoch, in order (the weights)
+        _assert_same(model.get_weights(), want)
+        assert _loaders_actors() == 0
+    finally:
+        _remove_left(cluster, nodes)
+
+
 def test_a_node_lost_and_regained_every_epoch_keeps_actors_and_memory_flat_and_trains_as_local_workers(cluster):
     epochs = 6 if os.environ.get("KPIPE_SMALL") else 20
     ballast = 4 << 20  # the dataset's state weighs this much: each replacement is sent it

@@ -57,7 +57,10 @@ Workers on other machines (Ray actors, `RayWorkers("auto")`): `limit` is the CPU
 cluster's nodes offer the actors (`RayBackend.capacity()`), and the consumer's CPU is its
 own machine's, so the rate is R = min(1/s, limit / c, main_limit / m); the hypervisor's
 stolen time is not read (f = 0: this machine's /proc/stat says nothing of theirs), and
-`max_workers` is also what the cluster can place.
+`max_workers` is also what the cluster can place. Both are read again every `REFIT_S` while
+the loader runs, so a cluster that grows (nodes added by `ray start` or the autoscaler) is
+used beyond the size it had when the workers started, and one that shrank is not asked for
+actors it cannot place.
 """
 
 import dataclasses
@@ -72,6 +75,7 @@ HEADROOM = 1.1  # batch times vary: a little more than the mean rate needs
 GROWTH = 8  # at most x8 workers per decision
 WORKERS_PER_CPU = 8  # the hard cap for I/O-bound work, per CPU of the limit ...
 MAX_WORKERS = 64  # ... and overall
+REFIT_S = 3.0  # workers on other machines: the cluster's capacity is read again this often
 MAX_STOLEN = 0.9  # a stolen share read above this (10 ms ticks over a short window) is noise
 logger = logging.getLogger("kpipe")
 
@@ -413,7 +417,7 @@ class AutoscaleDriver:
         self.max_workers = max_workers_for(limit) if not self.remote else min(MAX_WORKERS, remote_max)
         if max_queue_size is not None:
             self.max_workers = min(self.max_workers, max_queue_size)
-        self._ceiling = self.max_workers
+        self.ceiling = self.max_workers
         self.cpu_limit = limit
         self.start_workers = min(start_workers_for(limit) if not self.remote else 2, self.max_workers)
         self.default_max_queue_size = max_queue_size or max(4, 2 * self.max_workers)
@@ -421,6 +425,7 @@ class AutoscaleDriver:
         self._clock = CpuClock() if not self.remote else (lambda: (0.0, 0.0))
         self._read_s = read_s
         self._next = 0.0
+        self._refit_at = math.inf  # (set by fit_to)
 
     @classmethod
     def for_remote(cls, max_count, max_queue_size=None):
@@ -433,9 +438,10 @@ class AutoscaleDriver:
         cluster offers now (`backend.capacity()`)."""
         if not self.remote:
             return
+        self._refit_at = time.perf_counter() + REFIT_S
         cpus, placeable = backend.capacity()
         self.cpu_limit = max(float(cpus), 1.0)
-        self.max_workers = max(1, min(self._ceiling, placeable))
+        self.max_workers = max(1, min(self.ceiling, placeable))
         self._scaler.cpu_limit, self._scaler.max_workers = self.cpu_limit, self.max_workers
 
     @staticmethod
@@ -465,6 +471,12 @@ class AutoscaleDriver:
         if now < self._next and not self._scaler.in_first_window:
             return None
         self._next = now + self._read_s
+        if now >= self._refit_at:
+            try:
+                self.fit_to(backend)  # (nodes added or lost since: the cluster's capacity now)
+            except Exception as exc:  # a cluster mid-change may not answer: the last figures stand
+                self._refit_at = now + REFIT_S
+                logger.debug("ProcessLoader(%s, workers='auto'): the cluster's capacity was not read: %s", name, exc)
         done, busy, cpu, runq = backend.timings
         stolen, cpus_busy = self._clock()
         decision = self._scaler.observe(Sample(
