@@ -10,11 +10,9 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
-from conftest import kill_and_reap
 from kpipe._cli import _quiet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,17 +73,13 @@ def test_filtered_stderr_drops_noise_written_to_fd_2_and_passes_the_rest_in_orde
     assert proc.stderr.splitlines() == ["first", "second (python)", "third, no newlineafter"]
 
 
-def _finished(proc, deadline):
-    """`proc`'s (returncode, stdout, stderr) once it has ended, by `deadline` (time.monotonic())."""
-    stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    return proc.returncode, stdout, stderr
-
-
-def _learn_startup_lines(proc, deadline):
-    """The start-up lines a bare TensorFlow import (`proc`, see below) printed here (those kpipe knows)."""
-    code, _, stderr = _finished(proc, deadline)
-    assert code == 0, stderr[-2000:]
-    return [line for line in stderr.splitlines() if _quiet.is_startup_noise(line)]
+def _learn_startup_lines():
+    """The start-up lines a bare TensorFlow import prints here (those kpipe knows)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import tensorflow"],
+        env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [line for line in proc.stderr.splitlines() if _quiet.is_startup_noise(line)]
 
 
 def _kinds(lines):
@@ -95,37 +89,25 @@ def _kinds(lines):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(300)
 def test_cli_hides_tensorflow_start_up_lines_unless_verbose():
-    command = [sys.executable, "-m", "kpipe.cli", "data-service", "dispatcher", "--duration", "0.1"]
-    # The three TensorFlow start-ups (a bare import, the quiet and the verbose command) are
-    # independent processes: they run at once, and are read one after the other.
-    procs = []
-    try:
-        for argv in ([sys.executable, "-c", "import tensorflow"], command, command + ["--verbose"]):
-            procs.append(subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        bare, quiet_run, verbose_run = procs
-        # One deadline for the three: on loaded cores three start-ups at once take a while.
-        deadline = time.monotonic() + 300
-        baseline = _learn_startup_lines(bare, deadline)
-        quiet_code, quiet_out, quiet_err = _finished(quiet_run, deadline)
-        verbose_code, _, verbose_err = _finished(verbose_run, deadline)
-    finally:
-        for proc in procs:
-            kill_and_reap(proc)
+    baseline = _learn_startup_lines()
     if not baseline:
         pytest.skip("TensorFlow prints none of the known start-up lines on this machine")
+    command = [sys.executable, "-m", "kpipe.cli", "data-service", "dispatcher", "--duration", "0.1"]
 
-    assert quiet_code == 0, quiet_err[-3000:]
-    assert "dispatcher ready at 127.0.0.1:" in quiet_out
-    assert [line for line in quiet_err.splitlines() if _quiet.is_startup_noise(line)] == []
-    assert not any(re.match(r"I\d{4} ", line) for line in quiet_err.splitlines())  # INFO: level 1
+    quiet = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert "dispatcher ready at 127.0.0.1:" in quiet.stdout
+    assert [line for line in quiet.stderr.splitlines() if _quiet.is_startup_noise(line)] == []
+    assert not any(re.match(r"I\d{4} ", line) for line in quiet.stderr.splitlines())  # INFO: level 1
     # kpipe's own warning is not hidden with them.
-    assert "kpipe data-service: warning: tf.data service dispatcher listens on *:" in quiet_err
+    assert "kpipe data-service: warning: tf.data service dispatcher listens on *:" in quiet.stderr
 
-    assert verbose_code == 0, verbose_err[-3000:]
-    assert _kinds(baseline) <= _kinds(verbose_err.splitlines())
-    assert "kpipe data-service: warning:" in verbose_err
+    verbose = subprocess.run(command + ["--verbose"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert _kinds(baseline) <= _kinds(verbose.stderr.splitlines())
+    assert "kpipe data-service: warning:" in verbose.stderr
     # `kpipe --verbose COMMAND` is the same switch.
     assert "--verbose" in subprocess.run([sys.executable, "-m", "kpipe.cli", "--help"], env=_env(),
                                          capture_output=True, text=True, timeout=60).stdout
