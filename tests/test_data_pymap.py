@@ -208,10 +208,17 @@ def test_probe_rejects_non_numeric_outputs():
 # -- issue 51: seeded per element; dtypes kept, never cast -------------------------------------
 
 
-def _noisy(x, y):
-    import random
+def _noisy_fn():
+    """A per-sample function drawing from `random` and `numpy.random`, made inside a function
+    so cloudpickle sends it by value: a module-level one goes by reference, and each worker
+    then imports this module -- TensorFlow with it (seconds per worker on loaded cores)."""
 
-    return x + np.random.normal(size=x.shape).astype(np.float32) + random.random(), y
+    def noisy(x, y):
+        import random
+
+        return x + np.random.normal(size=x.shape).astype(np.float32) + random.random(), y
+
+    return noisy
 
 
 def _epochs(ds, n=2):
@@ -220,6 +227,7 @@ def _epochs(ds, n=2):
 
 @pytest.mark.timeout(300)
 def test_seeded_randomness_is_the_same_whatever_workers(no_leaked_workers):
+    _noisy = _noisy_fn()
     runs = {}
     for workers in (0, 1, 2):
         ds = kpipe.data.pipeline(_source(), batch_size=6, py_map_fn=_noisy, workers=workers, shuffle=16, seed=3)
@@ -239,6 +247,7 @@ def test_seeded_randomness_does_not_depend_on_the_batch_size(no_leaked_workers):
     def flat(ds):
         return [(x.tobytes(), int(y)) for xb, yb in ds.as_numpy_iterator() for x, y in zip(xb, yb)]
 
+    _noisy = _noisy_fn()
     small = kpipe.data.pipeline(_source(), batch_size=4, py_map_fn=_noisy, workers=0, seed=1)
     large = kpipe.data.pipeline(_source(), batch_size=7, py_map_fn=_noisy, workers=2, seed=1)
     assert flat(small) == flat(large)

@@ -26,6 +26,7 @@ PROGRAMS = os.path.join(ROOT, "tests", "programs")
 PROGRAM = os.path.join(PROGRAMS, "mw_residues.py")
 sys.path.insert(0, PROGRAMS)
 import _outputs  # noqa: E402
+from conftest import killed_at_exit  # noqa: E402
 
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
        "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -45,19 +46,29 @@ def _counts_arg():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
+    """The one-process reference, started in the background when the first job starts (a
+    single process beside the job's workers) and read by `reference`."""
     out = tmp_path_factory.mktemp("one_process")
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env.update(ENV)
-    proc = subprocess.run([sys.executable, PROGRAM, "--out", str(out), "--batch", str(GLOBAL_BATCH),
-                           "--counts", _counts_arg()], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "log.txt", "w") as log:  # (a file: nobody reads a pipe while the job runs)
+        proc = subprocess.Popen([sys.executable, PROGRAM, "--out", str(out), "--batch", str(GLOBAL_BATCH),
+                                 "--counts", _counts_arg()], env=env, stdout=log, stderr=subprocess.STDOUT)
+    with killed_at_exit(proc):
+        yield out, proc
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    out, proc = reference_run
+    proc.wait(timeout=400)  # (it ran beside a job: a longer deadline than alone)
+    assert proc.returncode == 0, (out / "log.txt").read_text()[-6000:]
     return _outputs.read(out, 0)
 
 
 @pytest.fixture(scope="module", params=WORKERS, ids=lambda w: f"{w}_workers")
-def job(request, tmp_path_factory):
+def job(request, tmp_path_factory, reference_run):
     workers = request.param
     out = tmp_path_factory.mktemp(f"job{workers}")
     command = [sys.executable, PROGRAM, "--out", str(out), "--batch", str(GLOBAL_BATCH // workers),

@@ -3,8 +3,11 @@ sigmoid heads with probability losses (Keras differentiates through the logits b
 logits, linear heads, two outputs, masks, every loss class of `keras.losses`; and a loss the
 pipeline cannot back-propagate gets `PipelineGradientError` on the first step.
 
-One fresh process (`tests/programs/pipeline_losses.py`, 3 logical CPU devices) trains every
-case; each test reads its part of the program's JSON report."""
+Two fresh processes (`tests/programs/pipeline_losses.py`, 3 logical CPU devices each), run
+side by side, train every case between them: one the `menu` part, the other the `heads`,
+`eager` and `checks` parts (the work is tracing and small fits, one core's worth each: on
+CI's 2 cores the two halves take about half the time of one process doing all four). Each
+test reads its part of the merged JSON report."""
 
 import importlib.util
 import json
@@ -14,6 +17,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import kill_and_reap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAM = os.path.join(ROOT, "tests", "programs", "pipeline_losses.py")
@@ -38,12 +42,29 @@ HEADS = ["softmax_sparse_string", "softmax_sparse_object", "softmax_categorical_
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 
+# The program's parts, in two groups of about the same work: one process runs each group.
+GROUPS = ("menu", "heads,eager,checks")
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipeline_losses") / "report.json"
-    proc = subprocess.run([sys.executable, PROGRAM, str(out)], env=ENV, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    folder = tmp_path_factory.mktemp("pipeline_losses")
+    outs = [folder / f"report{i}.json" for i in range(len(GROUPS))]
+    procs = []
+    try:
+        for out, parts in zip(outs, GROUPS):
+            procs.append(subprocess.Popen([sys.executable, PROGRAM, str(out), parts], env=ENV, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        logs = [proc.communicate(timeout=840)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            kill_and_reap(proc)
+    merged = {}
+    for proc, log, out, parts in zip(procs, logs, outs, GROUPS):
+        assert proc.returncode == 0, f"parts {parts}:\n" + log[-6000:]
+        merged.update(json.loads(out.read_text()))
+    assert sorted(merged) == ["checks", "eager", "heads", "menu"]
+    return merged
 
 
 def part(report, name):

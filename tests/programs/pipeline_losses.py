@@ -1,5 +1,5 @@
 """Pipeline stages vs the unsplit model for the heads and losses users write:
-`python pipeline_losses.py OUT.json`.
+`python pipeline_losses.py OUT.json [PART,PART...]` (default: every part).
 
 Must run in a fresh process (3 logical CPU devices are configured before TensorFlow
 initialises). Each case trains the unsplit model and the pipeline model from the same
@@ -66,7 +66,9 @@ UNITS = {"binary": 1, "signs": 1, "regression": 1, "positive": 1, "counts": 1, "
 
 
 def main(argv=None):
-    out = (sys.argv[1:] if argv is None else argv)[0]
+    argv = sys.argv[1:] if argv is None else argv
+    out = argv[0]
+    wanted = set(argv[1].split(",")) if len(argv) > 1 else None  # the parts to run (default: all)
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -193,6 +195,8 @@ def main(argv=None):
     results = {}
 
     def part(fn):
+        if wanted is not None and fn.__name__ not in wanted:
+            return fn
         try:
             results[fn.__name__] = fn()
         except Exception:  # noqa: BLE001 - reported to the test, which fails with it
