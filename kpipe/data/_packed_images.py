@@ -179,9 +179,11 @@ class PackedImages:
         data = self.read(j)
         rng = np.random.default_rng((self.seed, self.epoch, j))
         image = self._pil(data, rng) if self.decoder == "pil" else self._cv2(data, rng)
-        if self.flip and rng.random() < 0.5:
-            image = image[:, ::-1]
         return image, self.labels[j]
+
+    def _flips(self, rng):
+        """Draws the flip (after the window: the draws' order is part of the results)."""
+        return self.flip and rng.random() < 0.5
 
     def window(self, width, height, rng):
         """Returns the crop `(x, y, w, h)` in an image of `width` x `height`."""
@@ -211,6 +213,8 @@ class PackedImages:
             f = im.size[0] / width
             im = im.convert("RGB") if im.mode != "RGB" else im
             im = im.resize((out_w, out_h), Image.BILINEAR, box=(x * f, y * f, (x + w) * f, (y + h) * f))
+        if self._flips(rng):  # a flipped copy, not a view with a negative stride (PyTorch refuses those)
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
         return np.asarray(im)
 
     def _cv2(self, data, rng):
@@ -233,6 +237,8 @@ class PackedImages:
             raise ValueError(f"OpenCV cannot decode a packed image of {len(data)} bytes.")
         image = image[y // r:max(y // r + 1, (y + h) // r), x // r:max(x // r + 1, (x + w) // r)]
         image = cv2.resize(image, (out_w, out_h), interpolation=cv2.INTER_LINEAR)
+        if self._flips(rng):
+            image = cv2.flip(image, 1)
         return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
 
