@@ -387,3 +387,20 @@ def test_bench_loaders_jpeg_workload_runs_its_rows_in_fresh_processes_and_prints
     assert "matplotlib sample_data/grace_hopper.jpg" in out or "PIL-synthesised" in out
     if "jpeg/torch" in result["skipped"]:
         assert "skipped jpeg/torch: torch is not installed" in out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_bench_loaders_jpeg_packed_per_sample_rows(tmp_path):
+    rows = "packed-pil-bare,kpipe-packed-pil,torch-packed,packed-cv2-bare,kpipe-packed-cv2"
+    out, result = _run(tmp_path, "--workloads", "jpeg", "--jpeg-rows", rows, "--rss-epochs", "0", timeout=580)
+    got = {r["loader"]: r for r in result["rows"] if r["workload"] == "jpeg"}
+    skipped = "jpeg/torch-packed" in result["skipped"]
+    assert set(got) == set(rows.split(",")) - ({"torch-packed"} if skipped else set())
+    assert all(r["rate"] > 0 and r["images"] == 64 and r["cpu_ms"] is None for r in got.values())
+    assert "kpipe-packed-pil / packed-pil-bare:" in out and "kpipe-packed-cv2 / packed-cv2-bare:" in out
+    if skipped:
+        assert "skipped jpeg/torch-packed: torch is not installed" in out
+    else:
+        assert "kpipe-packed-pil / torch-packed:" in out

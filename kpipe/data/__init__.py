@@ -2,7 +2,8 @@
 
 * Sources, each a `tf.data.Dataset` of single samples, sharded where the data is
   addressed: `from_hdf5`, `from_numpy`, `from_files`, `from_tfrecord`, `from_packed`.
-* `pack`: an image folder into sharded HDF5 files of JPEG bytes (`kpipe pack`).
+* `pack`: an image folder into sharded HDF5 files of JPEG bytes (`kpipe pack`);
+  `PackedImages` reads them per sample with PIL or OpenCV, for `ProcessLoader.from_samples`.
 * `pipeline`: shard -> cache -> shuffle -> map -> batch -> prefetch with AUTOTUNE and a
   private thread pool, plus `py_map_fn` for Python/NumPy steps in worker processes.
 * `class_weights`: a `class_weight` dict for `fit()`.
@@ -23,12 +24,14 @@ from kpipe.data._hdf5 import from_hdf5
 from kpipe.data._numpy import from_numpy
 from kpipe.data._pack import pack
 from kpipe.data._packed import from_packed
+from kpipe.data._packed_images import PackedImages
 from kpipe.data._pipeline import pipeline
 from kpipe.data._sharding import ShardSpec
 from kpipe.data._tfrecord import from_tfrecord
 from kpipe.data._weights import class_weights
 
 __all__ = [
+    "PackedImages",
     "ShardSpec",
     "class_weights",
     "from_files",

@@ -1,13 +1,12 @@
 """`kpipe.data.from_packed`: (image, label) samples from the HDF5 shards `kpipe pack` writes."""
 
-import json
 import threading
 
 import numpy as np
 
 from kpipe.data._decoded import positions, sample_seed
 from kpipe.data._jpeg import Decoder, check_augment_args
-from kpipe.data._pack import FORMAT
+from kpipe.data._packed_images import read_index
 from kpipe.data._paths import expand_paths
 from kpipe.data._sharding import resolve_shard
 from kpipe.data._source import Source, attach
@@ -63,8 +62,6 @@ def from_packed(paths, *, image_size=(256, 256), channels=3, crop=None, scale=(0
     ([(8, 8, 3)], ['cat'])
     >>> tmp.cleanup()
     """
-    import h5py
-
     shard = resolve_shard(input_context, num_shards, index)
     if channels not in (1, 3):
         raise ValueError(f"`channels` must be 1 or 3. Received: channels={channels!r}.")
@@ -75,18 +72,7 @@ def from_packed(paths, *, image_size=(256, 256), channels=3, crop=None, scale=(0
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"`block_size` must be an integer >= 1. Received: block_size={block_size!r}.")
     files = expand_paths(paths, "paths", "packed HDF5")
-    names, labels, offsets = None, [], []
-    for path in files:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get("format") != FORMAT or not f.attrs.get("complete", False):
-                raise ValueError(f"{path!r} (from `paths`) is not a complete kpipe pack. Write it with `kpipe pack` "
-                                 "(an interrupted run resumes when run again).")
-            these = json.loads(f.attrs["class_names"])
-            if names is not None and these != names:
-                raise ValueError(f"{path!r} has class names {these}, the shards before it {names}: pass the shards of one pack.")
-            names = these
-            labels.append(f["labels"][:])
-            offsets.append(f["offsets"][:])
+    names, labels, offsets = read_index(files)
     decoder = Decoder(None if image_size is None else tuple(image_size), channels, crop, tuple(scale), tuple(ratio),
                       flip, float(center_fraction))
     source = _PackedSource(files, labels, offsets, decoder, block_size, seed)

@@ -19,6 +19,11 @@ load of other processes on the machine disturbs less than the wall clock):
                      bare processes, each writing its share into its own array
   kpipe-samples-pil  ProcessLoader.from_samples over that PIL decoder
   torch, grain       PyTorch's DataLoader / Grain over the PIL decoder, where installed
+  packed-pil-bare    kpipe.data.PackedImages(max side 256 pack, PIL draft decoding, random-resized
+                     crop, flip) in --workers bare processes, each writing its share into its own array
+  kpipe-packed-pil   ProcessLoader.from_samples over those PackedImages
+  torch-packed       PyTorch's DataLoader(num_workers=--workers, persistent_workers=True) over them
+  packed-cv2-bare, kpipe-packed-cv2  the same with decoder="cv2" (OpenCV's IMREAD_REDUCED_COLOR_*)
 
 Open/list cost: listing the folder and opening+reading every file, against opening the
 pack's shards and reading every image's bytes, in this process (page cache warm).
@@ -38,8 +43,11 @@ HELP = "JPEG photos decoded to 224x224 (decode+resize, random-resized crop, pack
 SIZE = (224, 224)
 BATCH = 128
 ROWS = ("keras-idf", "kpipe-files", "kpipe-packed", "kpipe-packed-256", "tfdata-rrc", "kpipe-rrc", "kpipe-rrc-packed-256",
-        "pil-bare", "kpipe-samples-pil", "torch", "grain")
-_PEERS = {"torch": "torch", "grain": "grain"}
+        "pil-bare", "kpipe-samples-pil", "torch", "grain", "packed-pil-bare", "kpipe-packed-pil", "torch-packed",
+        "packed-cv2-bare", "kpipe-packed-cv2")
+_PEERS = {"torch": "torch", "grain": "grain", "torch-packed": "torch"}
+_SAMPLE_ROWS = ("pil-bare", "kpipe-samples-pil", "torch", "grain", "packed-pil-bare", "kpipe-packed-pil", "torch-packed",
+                "packed-cv2-bare", "kpipe-packed-cv2")
 
 
 def add_arguments(parser):
@@ -85,10 +93,9 @@ class PilCrops:
             im.draft("RGB", (int(w / max(1, scale)), int(h / max(1, scale))))
             f = im.size[0] / w
             im = im.convert("RGB").resize(SIZE[::-1], Image.BILINEAR, box=tuple(v * f for v in box))
-        out = np.asarray(im)
-        if rng.random() < 0.5:
-            out = out[:, ::-1]
-        return out, self.labels[j]
+        if rng.random() < 0.5:  # a flipped copy (PyTorch's collate refuses negative strides)
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        return np.asarray(im), self.labels[j]
 
 
 def _bare(records, workers, epochs):
@@ -186,12 +193,18 @@ def run_row(row, ctx):
     """Runs one row here; returns `{"rate": images/s, "cpu_ms": CPU ms per image}` (cpu_ms None for
     multi-process rows, whose workers' CPU this process does not see until they end)."""
     epochs, workers = ctx["epochs"], ctx["workers"]
-    if row in ("pil-bare", "kpipe-samples-pil", "torch", "grain"):
-        paths, labels = _files(ctx["folder"])
-        records = PilCrops(paths, labels)
-        if row == "pil-bare":
+    if row in _SAMPLE_ROWS:
+        if "packed" in row:
+            import kpipe.data
+
+            records = kpipe.data.PackedImages(ctx["packed256"], image_size=SIZE, crop="random", flip=True, seed=0,
+                                              decoder="cv2" if "cv2" in row else "pil")
+        else:
+            paths, labels = _files(ctx["folder"])
+            records = PilCrops(paths, labels)
+        if row.endswith("bare"):
             return {"rate": _bare(records, workers, epochs), "cpu_ms": None}
-        if row == "kpipe-samples-pil":
+        if row in ("kpipe-samples-pil", "kpipe-packed-pil", "kpipe-packed-cv2"):
             import kpipe
 
             with kpipe.ProcessLoader.from_samples(records, BATCH, shuffle=True, seed=0, workers=workers) as loader:
@@ -201,7 +214,7 @@ def run_row(row, ctx):
                     return n
                 rate, _ = _epochs(iterate, epochs)
             return {"rate": rate, "cpu_ms": None}
-        if row == "torch":
+        if row in ("torch", "torch-packed"):
             import torch.utils.data
 
             loader = torch.utils.data.DataLoader(records, batch_size=BATCH, shuffle=True, num_workers=workers, persistent_workers=True)
@@ -312,6 +325,10 @@ _RATIOS = (  # (row, of row, the issue's target)
     ("kpipe-rrc-packed-256", "kpipe-rrc", None),
     ("kpipe-samples-pil", "pil-bare", 0.95),
     ("kpipe-samples-pil", "torch", 1.2),
+    ("kpipe-packed-pil", "packed-pil-bare", 0.95),
+    ("kpipe-packed-pil", "torch-packed", 1.2),
+    ("kpipe-packed-cv2", "packed-cv2-bare", 0.95),
+    ("kpipe-packed-cv2", "kpipe-packed-pil", None),
 )
 
 
