@@ -67,6 +67,30 @@ def test_a_dataset_whose_own_code_uses_tensorflow_imports_it(no_leaks):
     assert _tf_in_workers(_layout("uses_tf.UsesTF")()) == {1}  # (the check can fail)
 
 
+@pytest.mark.parametrize("held", ["function", "object"])
+def test_no_tensorflow_in_workers_for_a_dataset_holding_code_of_a_module_that_imports_keras(held, no_leaks):
+    from _layouts import heavy_fns
+    from _holder import Holder  # (a module of no package: nothing of it leads to heavy_fns)
+
+    assert _tf_in_workers(Holder(heavy_fns.batch if held == "function" else heavy_fns.Scale())) == {0}
+
+
+def test_no_tensorflow_in_workers_for_a_py_map_fn_of_a_module_that_imports_keras(no_leaks):
+    import tensorflow as tf
+
+    from _layouts import heavy_fns
+
+    ds = kpipe.data.pipeline(tf.data.Dataset.range(8), batch_size=4, py_map_fn=heavy_fns.sample, workers=1)
+    flags = [f.tolist() for _, f in ds.as_numpy_iterator()]
+    todo = [ds]  # (the mapper pool sits on a dataset under pipeline()'s prefetch and options)
+    while todo:
+        d = todo.pop()
+        if hasattr(d, "_kpipe_mapper_pool"):
+            d._kpipe_mapper_pool.close()  # (its workers, now: not after the idle close)
+        todo.extend(d._inputs())
+    assert flags == [[0] * 4] * 2
+
+
 _MAIN = textwrap.dedent("""
     import sys
     import keras, kpipe

@@ -145,11 +145,28 @@ _PLAIN_TYPES = frozenset({str, bytes, int, float, bool, type(None), tuple, list,
 
 
 class _Pickler(cloudpickle.Pickler):
+    """cloudpickle's, with shared arrays and open handles sent by reference (`persistent_id`),
+    and the functions and classes of the user's modules that import Keras/TF found anywhere
+    in what is pickled -- a `py_map_fn`, a function or an object a dataset holds -- sent by
+    value (`reducer_override`; `by_value` lists the modules so registered, for the caller to
+    unregister), so that a worker does not import such a module, and TensorFlow with it."""
+
     def __init__(self, file, shared, used, compare=True):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._shared = shared
         self._used = used
         self._compare = compare  # compare shared arrays with their copies (see SharedArrays.put)
+        self._scan = _HeavyScan()
+        self.by_value = []
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (types.FunctionType, type)):
+            module = _user_module(getattr(obj, "__module__", None))
+            if (module is not None and module.__name__ not in self._scan.heavy and self._scan.is_heavy(module)
+                    and module.__name__ not in cloudpickle.list_registry_pickle_by_value()):
+                cloudpickle.register_pickle_by_value(module)
+                self.by_value.append(module)
+        return super().reducer_override(obj)
 
     def persistent_id(self, obj):  # called for every object pickled
         if type(obj) in _PLAIN_TYPES:
@@ -305,6 +322,16 @@ def _pickled_by_value(modules):
             cloudpickle.unregister_pickle_by_value(module)
 
 
+@contextlib.contextmanager
+def _pickler(*args, **kwargs):
+    pickler = _Pickler(*args, **kwargs)
+    try:
+        yield pickler
+    finally:
+        for module in pickler.by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
 def dumps(obj, shared=None, what=None):
     """Pickles `obj`; returns `(payload_bytes, keys_of_shared_arrays_used)`.
 
@@ -315,8 +342,8 @@ def dumps(obj, shared=None, what=None):
     used = set()
     what = what or f"`{type(obj).__name__}`"
     try:
-        with _pickled_by_value(_by_value_modules(obj)), submodule_scan():
-            _Pickler(buf, shared, used).dump(obj)
+        with _pickled_by_value(_by_value_modules(obj)), submodule_scan(), _pickler(buf, shared, used) as pickler:
+            pickler.dump(obj)
     except _handles.Unreopenable as exc:
         raise DatasetPicklingError(_unreopenable_message(what, obj, exc)) from None
     except LoaderError:  # DatasetPicklingError, or out of file descriptors
@@ -346,8 +373,9 @@ def state_fingerprint(obj, shared=None):
     pass end costs a dataset that holds its data in memory."""
     try:
         buf = io.BytesIO()
-        with _pickled_by_value(_by_value_modules(obj)), submodule_scan(listed=False):
-            _Pickler(buf, shared, set(), compare=False).dump(obj)
+        with _pickled_by_value(_by_value_modules(obj)), submodule_scan(listed=False), \
+                _pickler(buf, shared, set(), compare=False) as pickler:
+            pickler.dump(obj)
         return buf.getvalue()
     except Exception:  # (a state cloudpickle cannot take: compare whole pickles only)
         return None
