@@ -20,8 +20,9 @@ HOLDS = ("all", "window", "every_third", "leaf", "view")
 
 class Seqs:
     """Sample j: a sequence of `lengths[j]` rows whose bytes depend on j and the position
-    (NaN and -0.0 among float values); a label j. As a dict `{"ids", "feats", "label"}`
-    (`feats`: the same length, 2 columns, float32) or a tuple `(ids, label)`."""
+    (NaN and -0.0 among float values); a label j. As a dict `{"ids", "feats", "label",
+    "pos"}` (`feats`: the same length, 2 columns, float32; `pos`: a (2, 3) float32 leaf,
+    padded only where `Padding(leaves=...)` does not leave it out) or a tuple `(ids, label)`."""
 
     def __init__(self, lengths, dtype, dict_samples, inner):
         self.lengths, self.dtype, self.dict_samples, self.inner = np.asarray(lengths), dtype, dict_samples, inner
@@ -43,7 +44,8 @@ class Seqs:
         ids = self._values(j, (n,) + self.inner, self.dtype)
         if not self.dict_samples:
             return ids, np.int64(j)
-        return {"ids": ids, "feats": self._values(j + 1, (n, 2), np.float32), "label": np.int64(j)}
+        return {"ids": ids, "feats": self._values(j + 1, (n, 2), np.float32), "label": np.int64(j),
+                "pos": self._values(j + 2, (2, 3), np.float32)}
 
 
 def spec(seed):
@@ -68,6 +70,7 @@ def spec(seed):
         "side": rng.choice(["right", "left"]),
         "value": rng.choice([0, -1, 9]),
         "mask": dict_samples and rng.random() < 0.6,
+        "name_leaves": dict_samples and rng.random() < 0.5,
         "lengths_key": dict_samples and rng.random() < 0.5,
         "too_long": too_long,
         "bucket": bucket,
@@ -91,7 +94,7 @@ def options(s, padding_cls, buckets_cls):
     value = s["value"] if s["dtype"] != "uint8" or s["value"] >= 0 else 0
     padding = padding_cls(s["length"], multiple_of=s["multiple_of"], side=s["side"], value=value,
                           mask="mask" if s["mask"] else None, lengths="n" if s["lengths_key"] else None,
-                          too_long=s["too_long"])
+                          too_long=s["too_long"], leaves=["ids", "feats"] if s["name_leaves"] else None)
     sizes = [s["batch_size"] + k % 2 for k in range(len(s["boundaries"]) + 1)]
     buckets = {None: None,
                "bounds": buckets_cls(s["boundaries"], sizes),
