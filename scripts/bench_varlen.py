@@ -3,31 +3,51 @@ the same padding done by bare processes into a reused buffer, tf.data's
 `bucket_by_sequence_length`, and PyTorch's DataLoader with a `pad_sequence` collate (when
 torch is importable; Grain likewise).
 
-Workloads (standalone; to be folded into scripts/bench_loaders.py's registry later):
+Workloads (also in scripts/bench_loaders.py's registry: `--workloads text,audio`, through
+scripts/_workloads/text.py and audio.py):
     text   token ids of lognormal lengths around 128 (max 512), each sample made by a
            Python tokenizer (words split and looked up in a dict: its cost per sample)
     audio  float32 waveforms of 1-10 s (16 kHz; `--smoke`: 400 Hz, few samples)
 
 Every row reads the same samples in a fresh shuffled order per epoch, bucketed by the same
-boundaries (the PyTorch row pads plain random batches: what its collate does). Method:
+boundaries (the PyTorch and Grain rows pad plain random batches: what their collate
+functions do; Grain has no length buckets). Method:
 `--epochs` passes per row, the first a warm-up (it includes starting the workers); the
 rows' passes are interleaved (pass e of each row in turn), so the machine's load reaches
 every row alike; the rate of each later pass is its samples / wall time, reported as
 median and best; ratios are of medians measured in this run. Padding waste = padded elements / real elements over
 the pass. Run: `python scripts/bench_varlen.py [--smoke] [--workers 2] [--json out.json]`.
 
-Measured (issue 46's session, three runs of `--workers 2 --epochs 5`, passes interleaved;
-a 2-core machine shared with five other sessions, load average 5-10, so the figures move
-between runs; torch and grain not installed there; each list sorted): kpipe / bare 0.32x, 0.61x,
-0.67x on text (small batches: the loader's per-batch handoff -- the same for a
-hand-written PyDataset padding into `kpipe.empty` -- is what the bare row does not pay;
-kpipe's padding itself costs ~60 us of ~2 ms per batch) and 0.80x, 1.04x, 1.08x on
-audio; kpipe / tf.data `bucket_by_sequence_length` 1.17x, 3.68x, 4.72x on text and
-0.70x, 0.88x, 1.11x on audio (tf.data's threads skip the cross-process copy of 350 KB
-waveforms). Padding waste with the buckets: 1.19 (text) and 1.13 (audio), against 2.93
-and 1.62 for plain shuffled batches. Of the issue's targets, >= 0.9x bare was met on audio in two
-runs of three and never on text, >= 1.5x the best peer on text in two runs and never on
-audio; measure on a quiet machine.
+CPU per sample: each row's passes also report the CPU time of this process and its
+children (workers) per sample, split main + workers. On a shared machine the wall clock
+measures the share of the cores a row's processes and threads won (tf.data's many threads
+win more of a crowded machine); CPU per sample is what the row's work cost, and moves
+less with the load (it still rises ~20-40% on a crowded machine: caches, SMT).
+
+Measured (issue 46's second session, `--epochs 4`, one run per `--workers` setting, passes
+interleaved; the 2-core machine shared with four other sessions at load average 20-35, so
+samples/s moved 3-10x between passes; torch/grain rows: see the issue's notes):
+
+    --workers                       1       2       4
+    text  kpipe/bare, samples/s    0.18x   0.60x   0.43x
+          kpipe/bare, CPU/sample   0.57x   0.67x   0.68x   (an earlier run: 0.83x)
+          kpipe/tf.data, CPU       3.50x   2.88x   3.12x
+    audio kpipe/bare, samples/s    1.04x   0.91x   0.86x
+          kpipe/bare, CPU/sample   1.02x   1.06x   1.14x
+          kpipe/tf.data, samples/s 0.50x   0.85x   0.80x
+          kpipe/tf.data, CPU       1.38x   1.34x   1.45x
+
+Where kpipe's text CPU goes (per batch of 32, ~1.3 ms of the dataset's own tokenizing):
+the padding write ~75 us (a hand-written loop ~35; ~100 before this session's change), the
+engine's worker side ~0.2-0.3 ms per task (receive, allocate, lay out, send the
+descriptor), the consumer's hand-over ~0.25 ms (window, submit, poll, views: ~30 Python
+calls), and one pickle of the dataset per pass end (the state check), ~2-28 ms a pass.
+Bare processes pay a queue put/get per batch only: small batches make the per-batch
+hand-over the difference. On audio (8 waveforms of ~350 KB a batch) the dataset itself
+costs ~935 us a sample serially, kpipe ~1160-1310 in all, tf.data ~1690-1800 (its
+`numpy_function` copy into a tensor, the padded batch copy, its threads' spinning): even
+with no overhead at all a loader doing the dataset's work would be at most ~1.8x tf.data
+by CPU, and kpipe is at 1.34-1.45x.
 """
 
 import argparse
