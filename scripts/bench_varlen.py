@@ -289,12 +289,13 @@ def run_torch(spec, workers, epochs, seed):
 
 def _grain_pad(samples):
     """Grain's `batch_fn`: the batch's sequences padded with 0 to its longest, as a
-    hand-written collate does (np.zeros, then each row copied)."""
+    hand-written collate does (np.zeros, then each row copied), the labels, and the real
+    lengths (for the padding waste: Grain's batches run across pass ends)."""
     longest = max(len(x) for x, _ in samples)
     x = np.zeros((len(samples), longest), samples[0][0].dtype)
     for r, (row, _) in enumerate(samples):
         x[r, :len(row)] = row
-    return x, np.array([y for _, y in samples], np.int32)
+    return x, np.array([y for _, y in samples], np.int32), np.array([len(x) for x, _ in samples])
 
 
 def run_grain(spec, workers, epochs, seed):
@@ -311,11 +312,11 @@ def run_grain(spec, workers, epochs, seed):
     steps = len(ds) // spec["batch"]
     try:
         for _ in range(epochs):
-            samples = padded = 0
+            samples = padded = real = 0
             for _ in range(steps):
-                x, y = next(iterator)
-                samples, padded = samples + len(y), padded + x.size
-            yield samples, padded, int(ds.lengths.sum()) * samples / len(ds)
+                x, y, lengths = next(iterator)
+                samples, padded, real = samples + len(y), padded + x.size, real + int(lengths.sum())
+            yield samples, padded, real
     finally:
         if hasattr(iterator, "close"):
             iterator.close()
