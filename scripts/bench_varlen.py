@@ -37,6 +37,18 @@ samples/s moved 3-10x between passes; torch/grain rows: see the issue's notes):
           kpipe/tf.data, samples/s 0.50x   0.85x   0.80x
           kpipe/tf.data, CPU       1.38x   1.34x   1.45x
 
+On a quiet moment of the same machine (load average 0.5-1.4; `--workers 2 --epochs 3`,
+torch 2.13 CPU and grain 0.2.18 installed), medians of samples/s:
+
+            kpipe   bare    tf.data  torch   grain   kpipe/bare  kpipe/best peer
+    text    23228   28241   2689     10872   13271   0.82x       1.75x (grain)
+    audio    1609    1589    803       942    1110   1.01x       1.45x (grain)
+
+and, passes interleaved in one process at load 0.4 (text, 2 workers): kpipe 26091 with
+the default `max_queue_size` (4), 29516 with `max_queue_size=16`, bare 29194: with more
+batches in flight the consumer's hand-over no longer stalls the workers, and text reaches
+~1.0x bare.
+
 Where kpipe's text CPU goes (per batch of 32, ~1.3 ms of the dataset's own tokenizing):
 the padding write ~75 us (a hand-written loop ~35; ~100 before this session's change), the
 engine's worker side ~0.2-0.3 ms per task (receive, allocate, lay out, send the
