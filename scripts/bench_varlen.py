@@ -44,6 +44,15 @@ torch 2.13 CPU and grain 0.2.18 installed), medians of samples/s:
     text    23228   28241   2689     10872   13271   0.82x       1.75x (grain)
     audio    1609    1589    803       942    1110   1.01x       1.45x (grain)
 
+The workers knob at quiet moments (load 0.5-2.5, `--epochs 3`, no torch/grain rows),
+kpipe / bare by samples/s (by CPU per sample), kpipe / tf.data by samples/s:
+
+    --workers          1              2              4
+    text   / bare     0.82x (0.85x)  0.82x (0.80x)  0.76x (0.84x)
+           / tf.data  4.45x          8.64x          6.45x
+    audio  / bare     1.04x (1.06x)  1.01x (0.98x)  1.09x (1.17x)
+           / tf.data  2.49x          2.00x          1.27x
+
 and, passes interleaved in one process at load 0.4 (text, 2 workers): kpipe 26091 with
 the default `max_queue_size` (4), 29516 with `max_queue_size=16`, bare 29194: with more
 batches in flight the consumer's hand-over no longer stalls the workers, and text reaches
