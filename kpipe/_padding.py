@@ -238,7 +238,13 @@ class Plan:
 
 class Batch:
     """One padded batch being written: its arrays allocated at their final shapes with
-    `kpipe.empty` (the slot), each sample written into its row by `put` as it is read."""
+    `kpipe.empty` (the slot), each sample written into its row by `put` as it is read.
+
+    `put` runs once per sample, so what it needs per leaf is worked out here once (the
+    output array, padded length, expected dtype and shape, pad value as a Python number,
+    whether it gives the row's length) and unpadded leaves (labels) are gathered into a
+    list and written with one NumPy call by `finish`: the per-sample cost is then the
+    writes themselves, as in a hand-written padding loop (`scripts/bench_varlen.py`)."""
 
     def __init__(self, plan, size, first, first_leaves, targets, limit):
         self.plan, self.first, self.targets, self.limit = plan, first, targets, limit
@@ -246,45 +252,73 @@ class Batch:
         self.out = [_alloc.empty((size, t) + shape[1:] if t is not None else (size,) + shape, dtype)
                     for t, (shape, dtype) in zip(targets, self.refs)]
         self.used = [0] * size  # the length leaf's real length per row
+        self.truncate = plan.padding.too_long == "truncate" or limit is None
+        self.right = plan.padding.side == "right"
+        # per leaf: (output, padded length or None, dtype, rank, checked shape, pad value, gives the length)
+        self.cols = [(out, t, dtype, len(shape), shape[1:] if t is not None else shape,
+                      None if plan.values[k] is None else plan.values[k].item(), k == plan.length_leaf)
+                     for k, (out, t, (shape, dtype)) in enumerate(zip(self.out, targets, self.refs))]
+        self.rows = [[None] * size if t is None else None for t in targets]  # unpadded leaves, written by finish
 
     def put(self, r, j, leaves, given=None):
         """Writes sample `j`'s `leaves` into row `r` (its length checked against `given`)."""
-        plan, p = self.plan, self.plan.padding
         for k, leaf in enumerate(leaves):
-            shape, dtype = self.refs[k]
-            target, out = self.targets[k], self.out[k]
-            padded = target is not None
-            if leaf.dtype != dtype or leaf.ndim != len(shape) or leaf.shape[padded:] != shape[padded:]:
-                what = "its first axis padded" if padded else "not padded: name it in Padding(leaves=...) to pad it"
-                raise BatchStructureError(
-                    f"Sample {j} of `{plan.name}` has {plan.paths[k]} with shape {leaf.shape} and dtype {leaf.dtype}, "
-                    f"but sample {self.first} of the same batch had {shape} and {dtype} ({what}). Samples must agree "
-                    "in dtype, rank and every axis but the padded first one: cast or reshape them in __getitem__.")
-            if not padded:
-                out[r] = leaf
+            out, target, dtype, ndim, shape, pad, gives_length = self.cols[k]
+            got = leaf.shape
+            if target is None:
+                if (leaf.dtype is not dtype and leaf.dtype != dtype) or got != shape:
+                    raise self._mismatch(k, j, leaf)
+                self.rows[k][r] = leaf
                 continue
-            n = leaf.shape[0]
-            if k == plan.length_leaf and given is not None and n != given:
+            if (leaf.dtype is not dtype and leaf.dtype != dtype) or len(got) != ndim or got[1:] != shape:
+                raise self._mismatch(k, j, leaf)
+            n = got[0]
+            if gives_length:
+                if given is not None and n != given:
+                    raise BatchStructureError(
+                        f"Sample {j} of `{self.plan.name}` has {self.plan.paths[k]} of length {n}, but `lengths` gave "
+                        f"{given} for it. Give from_samples lengths that match the samples (or lengths=None to measure "
+                        "them).")
+                if not self.truncate and n > self.limit:
+                    raise BatchStructureError(
+                        f"Sample {j} of `{self.plan.name}` has {self.plan.paths[k]} of length {n}, longer than the padded "
+                        f"length {self.limit}. Give Padding(too_long='truncate') to cut it, or too_long='drop' to leave "
+                        "such samples out, or a larger length.")
+            elif not self.truncate and n > self.limit:
                 raise BatchStructureError(
-                    f"Sample {j} of `{plan.name}` has {plan.paths[k]} of length {n}, but `lengths` gave {given} for "
-                    "it. Give from_samples lengths that match the samples (or lengths=None to measure them).")
-            if self.limit is not None and n > self.limit and p.too_long != "truncate":
-                raise BatchStructureError(
-                    f"Sample {j} of `{plan.name}` has {plan.paths[k]} of length {n}, longer than the padded length "
-                    f"{self.limit}. Give Padding(too_long='truncate') to cut it, or too_long='drop' to leave such "
-                    "samples out, or a larger length.")
-            n = min(n, target)
-            if p.side == "right":
-                out[r, :n] = leaf[:n]
-                out[r, n:] = plan.values[k]
+                    f"Sample {j} of `{self.plan.name}` has {self.plan.paths[k]} of length {n}, longer than the padded "
+                    f"length {self.limit}. Give Padding(too_long='truncate') to cut it, or too_long='drop' to leave "
+                    "such samples out, or a larger length.")
+            if n > target:
+                leaf = leaf[:target] if self.right else leaf[n - target:]
+                n = target
+            row = out[r]
+            if self.right:
+                row[:n] = leaf
+                row[n:] = pad
             else:
-                out[r, target - n:] = leaf[leaf.shape[0] - n:]
-                out[r, :target - n] = plan.values[k]
-            if k == plan.length_leaf:
+                row[target - n:] = leaf
+                row[:target - n] = pad
+            if gives_length:
                 self.used[r] = n
+
+    def _mismatch(self, k, j, leaf):
+        shape, dtype = self.refs[k]
+        what = ("its first axis padded" if self.targets[k] is not None
+                else "not padded: name it in Padding(leaves=...) to pad it")
+        return BatchStructureError(
+            f"Sample {j} of `{self.plan.name}` has {self.plan.paths[k]} with shape {leaf.shape} and dtype {leaf.dtype}, "
+            f"but sample {self.first} of the same batch had {shape} and {dtype} ({what}). Samples must agree "
+            "in dtype, rank and every axis but the padded first one: cast or reshape them in __getitem__.")
 
     def finish(self):
         """The batch: the sample's structure, with the mask/lengths keys added."""
+        for out, rows in zip(self.out, self.rows):
+            if rows is not None and out.ndim == 1:
+                out[...] = rows  # (one conversion for the batch's scalars)
+            elif rows is not None:
+                for r, value in enumerate(rows):
+                    out[r] = value
         tree = _tree.unflatten(self.plan.treedef, self.out)
         p = self.plan.padding
         if p.mask is None and p.lengths is None:

@@ -3,31 +3,72 @@ the same padding done by bare processes into a reused buffer, tf.data's
 `bucket_by_sequence_length`, and PyTorch's DataLoader with a `pad_sequence` collate (when
 torch is importable; Grain likewise).
 
-Workloads (standalone; to be folded into scripts/bench_loaders.py's registry later):
+Workloads (also in scripts/bench_loaders.py's registry: `--workloads text,audio`, through
+scripts/_workloads/text.py and audio.py):
     text   token ids of lognormal lengths around 128 (max 512), each sample made by a
            Python tokenizer (words split and looked up in a dict: its cost per sample)
     audio  float32 waveforms of 1-10 s (16 kHz; `--smoke`: 400 Hz, few samples)
 
 Every row reads the same samples in a fresh shuffled order per epoch, bucketed by the same
-boundaries (the PyTorch row pads plain random batches: what its collate does). Method:
+boundaries (the PyTorch and Grain rows pad plain random batches: what their collate
+functions do; Grain has no length buckets). Method:
 `--epochs` passes per row, the first a warm-up (it includes starting the workers); the
 rows' passes are interleaved (pass e of each row in turn), so the machine's load reaches
 every row alike; the rate of each later pass is its samples / wall time, reported as
 median and best; ratios are of medians measured in this run. Padding waste = padded elements / real elements over
 the pass. Run: `python scripts/bench_varlen.py [--smoke] [--workers 2] [--json out.json]`.
 
-Measured (issue 46's session, three runs of `--workers 2 --epochs 5`, passes interleaved;
-a 2-core machine shared with five other sessions, load average 5-10, so the figures move
-between runs; torch and grain not installed there; each list sorted): kpipe / bare 0.32x, 0.61x,
-0.67x on text (small batches: the loader's per-batch handoff -- the same for a
-hand-written PyDataset padding into `kpipe.empty` -- is what the bare row does not pay;
-kpipe's padding itself costs ~60 us of ~2 ms per batch) and 0.80x, 1.04x, 1.08x on
-audio; kpipe / tf.data `bucket_by_sequence_length` 1.17x, 3.68x, 4.72x on text and
-0.70x, 0.88x, 1.11x on audio (tf.data's threads skip the cross-process copy of 350 KB
-waveforms). Padding waste with the buckets: 1.19 (text) and 1.13 (audio), against 2.93
-and 1.62 for plain shuffled batches. Of the issue's targets, >= 0.9x bare was met on audio in two
-runs of three and never on text, >= 1.5x the best peer on text in two runs and never on
-audio; measure on a quiet machine.
+CPU per sample: each row's passes also report the CPU time of this process and its
+children (workers) per sample, split main + workers. On a shared machine the wall clock
+measures the share of the cores a row's processes and threads won (tf.data's many threads
+win more of a crowded machine); CPU per sample is what the row's work cost, and moves
+less with the load (it still rises ~20-40% on a crowded machine: caches, SMT).
+
+Measured (issue 46's second session, `--epochs 4`, one run per `--workers` setting, passes
+interleaved; the 2-core machine shared with four other sessions at load average 20-35, so
+samples/s moved 3-10x between passes; torch/grain rows: see the issue's notes):
+
+    --workers                       1       2       4
+    text  kpipe/bare, samples/s    0.18x   0.60x   0.43x
+          kpipe/bare, CPU/sample   0.57x   0.67x   0.68x   (an earlier run: 0.83x)
+          kpipe/tf.data, CPU       3.50x   2.88x   3.12x
+    audio kpipe/bare, samples/s    1.04x   0.91x   0.86x
+          kpipe/bare, CPU/sample   1.02x   1.06x   1.14x
+          kpipe/tf.data, samples/s 0.50x   0.85x   0.80x
+          kpipe/tf.data, CPU       1.38x   1.34x   1.45x
+
+On a quiet moment of the same machine (load average 0.5-1.4; `--workers 2 --epochs 3`,
+torch 2.13 CPU and grain 0.2.18 installed), medians of samples/s:
+
+            kpipe   bare    tf.data  torch   grain   kpipe/bare  kpipe/best peer
+    text    23228   28241   2689     10872   13271   0.82x       1.75x (grain)
+    audio    1609    1589    803       942    1110   1.01x       1.45x (grain)
+
+The workers knob at quiet moments (load 0.5-2.5, `--epochs 3`, no torch/grain rows),
+kpipe / bare by samples/s (by CPU per sample), kpipe / tf.data by samples/s:
+
+    --workers          1              2              4
+    text   / bare     0.82x (0.85x)  0.82x (0.80x)  0.76x (0.84x)
+           / tf.data  4.45x          8.64x          6.45x
+    audio  / bare     1.04x (1.06x)  1.01x (0.98x)  1.09x (1.17x)
+           / tf.data  2.49x          2.00x          1.27x
+
+and, passes interleaved in one process at load 0.4 (text, 2 workers): kpipe 26091 with
+the default `max_queue_size` (4), 29516 with `max_queue_size=16`, bare 29194: with more
+batches in flight the consumer's hand-over no longer stalls the workers, and text reaches
+~1.0x bare.
+
+Where kpipe's text CPU goes (per batch of 32, ~1.3 ms of the dataset's own tokenizing):
+the padding write ~75 us (a hand-written loop ~35; ~100 before this session's change), the
+engine's worker side ~0.2-0.3 ms per task (receive, allocate, lay out, send the
+descriptor), the consumer's hand-over ~0.25 ms (window, submit, poll, views: ~30 Python
+calls), and one pickle of the dataset per pass end (the state check), ~2-28 ms a pass.
+Bare processes pay a queue put/get per batch only: small batches make the per-batch
+hand-over the difference. On audio (8 waveforms of ~350 KB a batch) the dataset itself
+costs ~935 us a sample serially, kpipe ~1160-1310 in all, tf.data ~1690-1800 (its
+`numpy_function` copy into a tensor, the padded batch copy, its threads' spinning): even
+with no overhead at all a loader doing the dataset's work would be at most ~1.8x tf.data
+by CPU, and kpipe is at 1.34-1.45x.
 """
 
 import argparse
@@ -40,6 +81,7 @@ import time
 from multiprocessing import shared_memory
 
 import numpy as np
+import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -97,25 +139,41 @@ def _order(n, seed, epoch):
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
+def cpu_seconds():
+    """CPU seconds used so far by this process (all its threads) and by its live children
+    (workers), as a pair: a pass's difference is what the pass cost the machine, whatever
+    share of the cores a loaded machine gave it."""
+    children = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # (exited meanwhile)
+            continue
+        children += times.user + times.system
+    return np.array([time.process_time(), children])
+
+
 def interleaved(runs, epochs):
     """Runs the rows' passes in turn -- pass e of every row, then pass e + 1 -- so a change
     in the machine's load reaches every row alike. `runs`: {row: generator yielding
     `(samples, padded, real)` per pass, set up in its first}. Returns {row: (rates of all
-    passes but the first, padding waste)}."""
-    rates, waste = {row: [] for row in runs}, {}
+    passes but the first, padding waste, CPU microseconds per sample of those passes as
+    (this process, its children) pairs)}: the other rows' workers are idle meanwhile."""
+    rates, waste, cpu = {row: [] for row in runs}, {}, {row: [] for row in runs}
     try:
         for e in range(epochs):
             for row, run in runs.items():
-                start = time.perf_counter()
+                cpu_start, start = cpu_seconds(), time.perf_counter()
                 samples, padded, real = next(run)
-                elapsed = time.perf_counter() - start
+                elapsed, used = time.perf_counter() - start, cpu_seconds() - cpu_start
                 waste[row] = padded / max(real, 1)
                 if e:
                     rates[row].append(samples / elapsed)
+                    cpu[row].append((used / samples * 1e6).tolist())
     finally:
         for run in runs.values():
             run.close()
-    return {row: (rates[row], waste[row]) for row in runs}
+    return {row: (rates[row], waste[row], cpu[row]) for row in runs}
 
 
 def run_kpipe(spec, workers, epochs, seed):
@@ -238,14 +296,51 @@ def run_torch(spec, workers, epochs, seed):
     ds = spec["make"]()
     gen = torch.Generator()
     gen.manual_seed(seed)
+    # (forkserver: TensorFlow is loaded in this process by the tf.data row, and a fork of it may hang)
     loader = torch.utils.data.DataLoader(ds, batch_size=spec["batch"], shuffle=True, num_workers=workers,
-                                         collate_fn=_torch_pad, generator=gen, persistent_workers=True)
+                                         collate_fn=_torch_pad, generator=gen, persistent_workers=True,
+                                         multiprocessing_context="forkserver")
 
     for _ in range(epochs):
         samples = padded = 0
         for x, y in loader:
             samples, padded = samples + len(y), padded + x.numel()
         yield samples, padded, int(ds.lengths.sum())
+
+
+def _grain_pad(samples):
+    """Grain's `batch_fn`: the batch's sequences padded with 0 to its longest, as a
+    hand-written collate does (np.zeros, then each row copied), the labels, and the real
+    lengths (for the padding waste: Grain's batches run across pass ends)."""
+    longest = max(len(x) for x, _ in samples)
+    x = np.zeros((len(samples), longest), samples[0][0].dtype)
+    for r, (row, _) in enumerate(samples):
+        x[r, :len(row)] = row
+    return x, np.array([y for _, y in samples], np.int32), np.array([len(x) for x, _ in samples])
+
+
+def run_grain(spec, workers, epochs, seed):
+    """Grain as its docs write a map-style pipeline: `MapDataset.source(ds).shuffle(seed)
+    .repeat().to_iter_dataset().batch(B, batch_fn=pad).mp_prefetch(workers)`, plain
+    shuffled batches padded to their longest (Grain has no length buckets); one iterator
+    over endless passes, `len(ds) // B` batches taken per pass."""
+    import grain
+
+    ds = spec["make"]()
+    source = grain.MapDataset.source(ds).shuffle(seed=seed).repeat()
+    batched = source.to_iter_dataset(grain.ReadOptions(num_threads=0)).batch(spec["batch"], batch_fn=_grain_pad)
+    iterator = iter(batched.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)))
+    steps = len(ds) // spec["batch"]
+    try:
+        for _ in range(epochs):
+            samples = padded = real = 0
+            for _ in range(steps):
+                x, y, lengths = next(iterator)
+                samples, padded, real = samples + len(y), padded + x.size, real + int(lengths.sum())
+            yield samples, padded, real
+    finally:
+        if hasattr(iterator, "close"):
+            iterator.close()
 
 
 def plain_waste(lengths, batch, seed):
@@ -265,7 +360,67 @@ def peer_missing(module):
 
 
 ROWS = [("kpipe", run_kpipe, None), ("bare processes", run_bare, None), ("tf.data bucket_by_sequence_length", run_tfdata, None),
-        ("torch DataLoader pad_sequence", run_torch, "torch"), ("grain", None, "grain")]
+        ("torch DataLoader pad_sequence", run_torch, "torch"), ("grain", run_grain, "grain")]
+
+
+def measure(name, spec, workers, epochs, seed, rows=None, result=None):
+    """Measures workload `name` (`spec` from `workloads()`): its rows' passes interleaved.
+    Adds its rows, skipped rows and ratios to `result` (a dict, made if None) and returns
+    it. `rows`: the row names to run (None: all; "kpipe" and "bare processes" always)."""
+    result = {"rows": [], "skipped": []} if result is None else result
+    runs = {}
+    for row, run, module in ROWS:
+        if rows is not None and row not in rows and row not in ("kpipe", "bare processes"):
+            continue
+        reason = peer_missing(module) if module else None
+        if reason:
+            print(f"  {name}: {row}: {reason}", flush=True)
+            result["skipped"].append({"workload": name, "row": row, "reason": reason})
+            continue
+        runs[row] = run(spec, workers, epochs, seed)
+    rates, cpus = {}, {}
+    for row, (per_epoch, waste, cpu) in interleaved(runs, epochs).items():
+        rates[row], cpus[row] = statistics.median(per_epoch), statistics.median(sum(c) for c in cpu)
+        result["rows"].append({"workload": name, "row": row, "median_samples_per_s": rates[row],
+                               "best_samples_per_s": max(per_epoch), "epoch_rates": per_epoch, "padding_waste": waste,
+                               "cpu_us_per_sample": cpus[row],
+                               "main_cpu_us_per_sample": statistics.median(c[0] for c in cpu),
+                               "workers_cpu_us_per_sample": statistics.median(c[1] for c in cpu),
+                               "epoch_cpu_us_per_sample": cpu})
+    bare = rates["bare processes"]
+    peers = {k: r for k, r in rates.items() if k not in ("kpipe", "bare processes")}
+    peer_cpu = {k: c for k, c in cpus.items() if k in peers}
+    for entry in result["rows"]:
+        if entry["workload"] == name:
+            entry["vs_bare"] = entry["median_samples_per_s"] / bare
+            entry["cpu_vs_bare"] = cpus["bare processes"] / entry["cpu_us_per_sample"]
+    result.setdefault("ratios", {})[name] = {
+        "kpipe_vs_bare": rates["kpipe"] / bare,
+        "kpipe_vs_bare_by_cpu": cpus["bare processes"] / cpus["kpipe"],
+        "kpipe_vs_best_peer": rates["kpipe"] / max(peers.values()) if peers else None,
+        "best_peer": max(peers, key=peers.get) if peers else None,
+        "kpipe_vs_best_peer_by_cpu": min(peer_cpu.values()) / cpus["kpipe"] if peers else None,
+        "waste_without_buckets": plain_waste(spec["make"]().lengths, spec["batch"], seed)}
+    return result
+
+
+def report(name, spec, result):
+    """Prints workload `name`'s table and ratios from `result` (see `measure`)."""
+    ratios = result["ratios"][name]
+    print(f"\n{name} (batch {spec['batch']}, boundaries {spec['boundaries']}; padding waste of plain shuffled "
+          f"batches, no buckets: {ratios['waste_without_buckets']:.2f})")
+    print(f"  {'row':36s} {'median/s':>10s} {'best/s':>10s} {'vs bare':>8s} {'waste':>6s} {'cpu us/sample':>14s} "
+          f"{'(main+workers)':>15s} {'bare cpu / cpu':>14s}")
+    for entry in (e for e in result["rows"] if e["workload"] == name):
+        print(f"  {entry['row']:36s} {entry['median_samples_per_s']:10.1f} {entry['best_samples_per_s']:10.1f} "
+              f"{entry['vs_bare']:8.2f} {entry['padding_waste']:6.2f} {entry['cpu_us_per_sample']:14.1f} "
+              f"{entry['main_cpu_us_per_sample']:7.1f}+{entry['workers_cpu_us_per_sample']:7.1f} "
+              f"{entry['cpu_vs_bare']:14.2f}")
+    best = ratios["kpipe_vs_best_peer"]
+    best_peer = "n/a" if best is None else (f"{best:.2f}x by samples/s, {ratios['kpipe_vs_best_peer_by_cpu']:.2f}x by "
+                                            f"CPU per sample (best: {ratios['best_peer']})")
+    print(f"  kpipe / bare processes: {ratios['kpipe_vs_bare']:.2f}x by samples/s, {ratios['kpipe_vs_bare_by_cpu']:.2f}x "
+          f"by CPU per sample (target >= 0.9x); kpipe / best peer: {best_peer} (target >= 1.5x)", flush=True)
 
 
 def main(argv=None):
@@ -289,39 +444,8 @@ def main(argv=None):
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     result = {"workers": args.workers, "epochs": args.epochs, "smoke": args.smoke, "rows": [], "skipped": []}
     for name in names:
-        spec = specs[name]
-        runs = {}
-        for row, run, module in ROWS:
-            reason = peer_missing(module) if module else None
-            if reason or run is None:
-                print(f"  {name}: {row}: {reason}")
-                result["skipped"].append({"workload": name, "row": row, "reason": reason})
-                continue
-            runs[row] = run(spec, args.workers, args.epochs, args.seed)
-        rates = {}
-        for row, (per_epoch, waste) in interleaved(runs, args.epochs).items():
-            rates[row] = statistics.median(per_epoch)
-            result["rows"].append({"workload": name, "row": row, "median_samples_per_s": rates[row],
-                                   "best_samples_per_s": max(per_epoch), "epoch_rates": per_epoch, "padding_waste": waste})
-        bare = rates["bare processes"]
-        peers = [r for k, r in rates.items() if k not in ("kpipe", "bare processes")]
-        for entry in result["rows"]:
-            if entry["workload"] == name:
-                entry["vs_bare"] = entry["median_samples_per_s"] / bare
-        result.setdefault("ratios", {})[name] = {"kpipe_vs_bare": rates["kpipe"] / bare,
-                                                 "kpipe_vs_best_peer": rates["kpipe"] / max(peers) if peers else None}
-        plain = plain_waste(spec["make"]().lengths, spec["batch"], args.seed)
-        result["ratios"][name]["waste_without_buckets"] = plain
-        print(f"\n{name} (batch {spec['batch']}, boundaries {spec['boundaries']}; padding waste of plain shuffled "
-              f"batches, no buckets: {plain:.2f})")
-        print(f"  {'row':36s} {'median/s':>10s} {'best/s':>10s} {'vs bare':>8s} {'waste':>6s}")
-        for entry in (e for e in result["rows"] if e["workload"] == name):
-            print(f"  {entry['row']:36s} {entry['median_samples_per_s']:10.1f} {entry['best_samples_per_s']:10.1f} "
-                  f"{entry['vs_bare']:8.2f} {entry['padding_waste']:6.2f}")
-        ratios = result["ratios"][name]
-        best_peer = "n/a" if ratios["kpipe_vs_best_peer"] is None else f"{ratios['kpipe_vs_best_peer']:.2f}x"
-        print(f"  kpipe / bare processes: {ratios['kpipe_vs_bare']:.2f}x (target >= 0.9x); kpipe / best peer: "
-              f"{best_peer} (target >= 1.5x)")
+        measure(name, specs[name], args.workers, args.epochs, args.seed, result=result)
+        report(name, specs[name], result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -9,6 +9,8 @@ named in `--workloads`; each of their loader rows runs in a fresh process of its
 import importlib
 
 WORKLOADS = {"jpeg": "jpeg"}
+WORKLOADS["text"] = "text"  # variable-length token ids (issue 46; over scripts/bench_varlen.py)
+WORKLOADS["audio"] = "audio"  # variable-length waveforms (issue 46; likewise)
 
 
 def load(name):
