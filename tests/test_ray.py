@@ -798,6 +798,16 @@ def _count_calls(loader):
     return calls
 
 
+@pytest.fixture
+def every_batch_quick(monkeypatch):
+    """Every batch counts as quick, so that small ones share calls whatever the machine's
+    load (on a loaded one a batch's own time can pass `_CALL_COST_S`, and none shares): for
+    the tests whose subject is what happens inside a shared call, not when batches share."""
+    from kpipe._engine import _ray
+
+    monkeypatch.setattr(_ray, "_CALL_COST_S", 1.0)
+
+
 @pytest.mark.parametrize("where", ["other nodes", "this node"])
 def test_small_quick_batches_share_actor_calls_and_arrive_in_plan_order(cluster, where):
     spec = kpipe.RayWorkers(2, resources=TAGGED) if where == "other nodes" else kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE)
@@ -824,7 +834,7 @@ def test_big_batches_never_share_a_call(cluster):
     assert calls and max(calls) == 1
 
 
-def test_a_batch_failing_in_a_shared_call_raises_alone(cluster):
+def test_a_batch_failing_in_a_shared_call_raises_alone(cluster, every_batch_quick):
     with kpipe.ProcessLoader(Failing("raise", bad=30, n=40), workers=kpipe.RayWorkers(2)) as loader:
         calls = _count_calls(loader)
         got = [float(loader[i][0][0, 0]) for i in range(30)]
@@ -838,7 +848,7 @@ def test_a_batch_failing_in_a_shared_call_raises_alone(cluster):
 
 
 @pytest.mark.parametrize("where", ["other nodes", "this node"])
-def test_an_actor_killed_with_shared_calls_in_flight_is_replaced_and_every_batch_arrives_once_in_order(cluster, where):
+def test_an_actor_killed_with_shared_calls_in_flight_is_replaced_and_every_batch_arrives_once_in_order(cluster, every_batch_quick, where):
     spec = kpipe.RayWorkers(2, resources=TAGGED) if where == "other nodes" else kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE)
     with kpipe.ProcessLoader(Squares(n=40), workers=spec, shuffle=True, seed=8) as loader:
         calls = _count_calls(loader)
@@ -858,7 +868,7 @@ def test_an_actor_killed_with_shared_calls_in_flight_is_replaced_and_every_batch
 
 
 @pytest.mark.parametrize("where", ["other nodes", "this node"])
-def test_jumps_discard_batches_of_shared_calls_and_their_slots_come_back(cluster, where):
+def test_jumps_discard_batches_of_shared_calls_and_their_slots_come_back(cluster, every_batch_quick, where):
     spec = kpipe.RayWorkers(2, resources=TAGGED) if where == "other nodes" else kpipe.RayWorkers(2, num_cpus=0.5, resources=HERE)
     with kpipe.ProcessLoader(Squares(n=600), workers=spec) as loader:
         calls = _count_calls(loader)
