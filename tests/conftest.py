@@ -156,6 +156,24 @@ def shm_entries():
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def orphaned_shm(names):
+    """Those of the /dev/shm entries `names` still there that no live process maps or holds
+    open: what a test left behind. An entry some process uses is that process's (a run of
+    other tests beside this one creates and removes its own; a child of this test that
+    lives on is caught by the process checks)."""
+    names = {n for n in names if os.path.exists(os.path.join("/dev/shm", n))}
+    if not names:
+        return set()
+    used = set()
+    for proc in psutil.process_iter():
+        try:
+            paths = [m.path for m in proc.memory_maps(grouped=True)] + [f.path for f in proc.open_files()]
+        except (psutil.Error, OSError):
+            continue
+        used.update(os.path.basename(p) for p in paths if p.startswith("/dev/shm/"))
+    return {n for n in names if n not in used and os.path.exists(os.path.join("/dev/shm", n))}
+
+
 @pytest.fixture
 def no_leaks():
     """Asserts the test leaves no child process, memfd segment, /dev/shm entry or feed
@@ -167,7 +185,7 @@ def no_leaks():
     gc.collect()
     left = [p for p in kpipe_children() if p.pid not in before_children]
     assert not left, f"leaked processes: {left}"
-    assert shm_entries() - before_shm == set()
+    assert orphaned_shm(shm_entries() - before_shm) == set()
     assert memfd_count() <= before_fd
     assert not feed_threads(), "a kpipe feed thread outlived the test"
 

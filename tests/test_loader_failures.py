@@ -439,3 +439,25 @@ def test_worker_dead_between_batches_makes_on_epoch_end_raise_worker_died(start_
         assert int(loader[0][1][0]) == 1  # new workers, with the new epoch's state
     finally:
         loader.close()
+
+
+def test_no_leaks_counts_a_dev_shm_entry_no_process_uses_not_one_another_process_maps():
+    import mmap
+
+    from conftest import orphaned_shm
+
+    names = [f"kpipe-test-{os.getpid()}-{what}" for what in ("held", "orphan")]
+    maps = []
+    for name in names:
+        fd = os.open(os.path.join("/dev/shm", name), os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 4096)
+        if name.endswith("held"):
+            maps.append(mmap.mmap(fd, 4096))  # mapped by this process: in use
+        os.close(fd)  # the orphan: unmapped, never unlinked -- what a leak leaves
+    try:
+        assert orphaned_shm(set(names) | {"no-such-entry"}) == {names[1]}
+    finally:
+        for m in maps:
+            m.close()
+        for name in names:
+            os.unlink(os.path.join("/dev/shm", name))
