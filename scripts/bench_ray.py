@@ -37,8 +37,8 @@ does):
            mid-pass: the longest wait for a batch after it (the dip: until a call to a
            lost actor fails; --quick shortens Ray's health checks), the time lost
            against the steady rate (batches after the loss), the dip's length (from
-           the loss until 8 batches in a row come at >= 0.9x the rate on the actors
-           left), the steady rate on the 2
+           the loss until every 8 batches in a row come at >= 0.9x the rate on the
+           actors left), the steady rate on the 2
            actors left against a loader that had only 2 actors from the start (target
            >= 0.9x), and the rate once a node was added back and the 2 replacements
            waiting were placed there, against the rate before the loss.
@@ -264,14 +264,17 @@ def _rate(reader, count, warm=0):
 
 
 def _dip(t_loss, times, steady, span=8):
-    """The dip's length: seconds from the loss until the rate over the next `span`
-    batches is back to 0.9x `steady` (the rate on the actors left) -- the whole window
-    of `times` when it never is."""
-    for k in range(len(times) - span + 1):
-        start = t_loss if k == 0 else times[k - 1]
-        if span / (times[k + span - 1] - start) >= 0.9 * steady:
-            return start - t_loss
-    return times[-1] - t_loss
+    """The dip's length: seconds from the loss until the rate over every `span` batches
+    from then on is at least 0.9x `steady` (the rate on the actors left) -- batches loaded
+    ahead before the loss come at once and then the stall follows, so the dip ends after
+    the last slow window, not at the first quick one; the whole of `times` when the last
+    window is still slow."""
+    starts = [t_loss] + times[:-1]
+    quick = [span / (times[k + span - 1] - starts[k]) >= 0.9 * steady for k in range(len(times) - span + 1)]
+    k = len(quick)
+    while k > 0 and quick[k - 1]:
+        k -= 1
+    return starts[k] - t_loss if k < len(quick) else times[-1] - t_loss
 
 
 def _print_shrink(out):
@@ -279,8 +282,8 @@ def _print_shrink(out):
     print(f"  4 actors before the loss        {out['before']:8.1f} steps/s")
     print(f"  longest wait for a batch after   {out['longest_wait_s']:8.2f} s   (time lost against the steady rate: "
           f"{out['lost_s']:.2f} s)")
-    print(f"  the dip's length                 {out['dip_s']:8.2f} s   (from the loss until 8 batches in a row came "
-          "at >= 0.9x the rate on the 2 left)")
+    print(f"  the dip's length                 {out['dip_s']:8.2f} s   (from the loss until every 8 batches in a row "
+          "come at >= 0.9x the rate on the 2 left)")
     print(f"  2 actors left                    {out['left']:8.1f} steps/s   ({out['left'] / out['only_left']:.2f}x 2 actors "
           f"from the start: {out['only_left']:.1f})")
     print(f"  node back (placed after {out['placed_after_s']:5.1f} s) {out['back']:8.1f} steps/s   "
