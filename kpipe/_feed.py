@@ -169,18 +169,20 @@ class Feed:
         loader_ref: weak reference to the `ProcessLoader`.
         standardize: Keras's per-batch standardization (the adapter's
             `_standardize_batch`).
-        strategy: the model's distribution strategy.
+        strategy: the model's distribution strategy (unused when `place` is given).
         depth: batches converted ahead.
         consumer: the adapter's `kpipe._keras_hook.KerasConsumer`: the stream is
             recorded there, and the thread waits where the loader's read limit says the
             consumer's Keras epoch ends (see `kpipe._stream.stream_batches`).
+        place: converts a standardized batch for the backend, `place(data, whole=...)`.
+            Defaults to None: TensorFlow tensors placed for `strategy`.
     """
 
-    def __init__(self, loader_ref, standardize, strategy, depth=1, consumer=None):
+    def __init__(self, loader_ref, standardize, strategy, depth=1, consumer=None, place=None):
         self._ref = loader_ref
         self._consumer = consumer
         self._standardize = standardize
-        self._place = _Placement(strategy)
+        self._place = place if place is not None else _Placement(strategy)
         self._depth = depth
         self._queue = None
         self._stop = threading.Event()

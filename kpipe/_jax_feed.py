@@ -75,19 +75,8 @@ class JaxFeed(_feed.Feed):
     `device_put` the leaves (False under a `keras.distribution`)."""
 
     def __init__(self, loader_ref, standardize, put=True, depth=DEPTH, consumer=None):
-        # (Feed's own __init__ would place batches with TensorFlow: the state set here is its)
-        import threading
-
-        self._ref = loader_ref
-        self._consumer = consumer
-        self._standardize = standardize
-        self._place = _JaxPlacement(put)
-        self._depth = depth
-        self._queue = None
-        self._stop = threading.Event()
-        self._thread = None
-        self._sync = None
-        self._done = False
+        # (Feed's own placement puts batches with TensorFlow: JAX's is given instead)
+        super().__init__(loader_ref, standardize, None, depth=depth, consumer=consumer, place=_JaxPlacement(put))
 
 
 def install():
