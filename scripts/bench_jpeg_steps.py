@@ -45,6 +45,7 @@ def steps(folder):
     import tensorflow as tf
 
     import kpipe.data
+    from _workloads.jpeg import reference_rrc
     from kpipe.data._source import source_of
 
     auto = tf.data.AUTOTUNE
@@ -58,16 +59,6 @@ def steps(folder):
     def decode_resize(p, label):
         return tf.image.resize(tf.io.decode_image(tf.io.read_file(p), channels=3, expand_animations=False), SIZE), label
 
-    def ref_rrc(p, label):
-        data = tf.io.read_file(p)
-        begin, size, _ = tf.image.sample_distorted_bounding_box(
-            tf.image.extract_jpeg_shape(data), tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), min_object_covered=0.1,
-            aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10, use_image_if_no_bounding_boxes=True)
-        y, x, _ = tf.unstack(begin)
-        h, w, _ = tf.unstack(size)
-        image = tf.image.resize(tf.io.decode_and_crop_jpeg(data, tf.stack([y, x, h, w]), channels=3), SIZE)
-        return tf.image.random_flip_left_right(image), label
-
     def decoder_rrc(j, element):
         p, label = element
         return rrc_source.decoder(tf.io.read_file(p), tf.stack([tf.constant(0, tf.int64), j])), label
@@ -78,7 +69,7 @@ def steps(folder):
         "map+ignore": slices().map(decode_resize, num_parallel_calls=auto).ignore_errors().batch(BATCH),
         "source": kpipe.data.from_files(folder, image_size=SIZE).batch(BATCH),
         "pipeline": kpipe.data.pipeline(kpipe.data.from_files(folder, image_size=SIZE), batch_size=BATCH),
-        "ref-rrc": slices().map(ref_rrc, num_parallel_calls=auto).batch(BATCH),
+        "ref-rrc": slices().map(reference_rrc, num_parallel_calls=auto).batch(BATCH),
         "decoder-rrc": slices().enumerate().map(decoder_rrc, num_parallel_calls=auto).batch(BATCH),
         "source-rrc": kpipe.data.from_files(folder, image_size=SIZE, crop="random", flip=True, seed=0).batch(BATCH),
         "pipeline-rrc": kpipe.data.pipeline(kpipe.data.from_files(folder, image_size=SIZE, crop="random", flip=True, seed=0),

@@ -142,6 +142,22 @@ def _files(folder):
     return paths, labels
 
 
+def reference_rrc(path, label):
+    """The hand-written tf.data random-resized crop + flip users write (the Inception recipe:
+    `sample_distorted_bounding_box`, `decode_and_crop_jpeg`, resize): the reference the fused
+    crop is measured against, here and in bench_jpeg_steps.py."""
+    import tensorflow as tf
+
+    data = tf.io.read_file(path)
+    begin, size, _ = tf.image.sample_distorted_bounding_box(
+        tf.image.extract_jpeg_shape(data), tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), min_object_covered=0.1,
+        aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10, use_image_if_no_bounding_boxes=True)
+    y, x, _ = tf.unstack(begin)
+    h, w, _ = tf.unstack(size)
+    image = tf.image.resize(tf.io.decode_and_crop_jpeg(data, tf.stack([y, x, h, w]), channels=3), SIZE)
+    return tf.image.random_flip_left_right(image), label
+
+
 def _dataset(row, ctx):
     import tensorflow as tf
 
@@ -163,17 +179,7 @@ def _dataset(row, ctx):
     if row == "tfdata-rrc":
         paths, labels = _files(folder)
 
-        def rrc(path, label):
-            data = tf.io.read_file(path)
-            begin, size, _ = tf.image.sample_distorted_bounding_box(
-                tf.image.extract_jpeg_shape(data), tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), min_object_covered=0.1,
-                aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10, use_image_if_no_bounding_boxes=True)
-            y, x, _ = tf.unstack(begin)
-            h, w, _ = tf.unstack(size)
-            image = tf.image.resize(tf.io.decode_and_crop_jpeg(data, tf.stack([y, x, h, w]), channels=3), SIZE)
-            return tf.image.random_flip_left_right(image), label
-
-        ds = tf.data.Dataset.from_tensor_slices((paths, labels)).map(rrc, num_parallel_calls=tf.data.AUTOTUNE)
+        ds = tf.data.Dataset.from_tensor_slices((paths, labels)).map(reference_rrc, num_parallel_calls=tf.data.AUTOTUNE)
         return ds.batch(BATCH).prefetch(tf.data.AUTOTUNE)
     raise ValueError(row)
 
