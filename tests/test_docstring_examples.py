@@ -96,6 +96,18 @@ def _script(tmp_path, name, code):
     return str(path)
 
 
+def _launched(tmp_path, name, code, **job):
+    """The output of `code` (after its prelude) run as a `kpipe launch` job of `job`'s tasks,
+    which must all succeed."""
+    from kpipe.distribute import launch
+
+    out = io.StringIO()
+    result = launch([sys.executable, _script(tmp_path, name, code)], env=ENV, output=out, timeout_s=240,
+                    warn_open_ports=False, **job)
+    assert result.returncode == 0, out.getvalue()[-3000:]
+    return out.getvalue()
+
+
 def test_example_reader_takes_the_indented_or_fenced_block():
     class Indented:
         """Does x.
@@ -142,37 +154,26 @@ def test_every_example_that_is_not_a_doctest_runs_here():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_multiworkermirroredstrategy_example_trains_under_kpipe_launch(tmp_path, no_leaks):
-    from kpipe.distribute import launch
-
     name = "kpipe.distribute.MultiWorkerMirroredStrategy"
     head, code = example(_public()[name])
     assert "kpipe launch --workers 2" in head
-    script = _script(tmp_path, name, code + "\nprint('weights', np.concatenate([w.ravel() for w in model.get_weights()]).tolist())")
-    out = io.StringIO()
-    result = launch([sys.executable, script], workers=2, env=ENV, output=out, timeout_s=240,
-                    warn_open_ports=False)
-    assert result.returncode == 0, out.getvalue()[-3000:]
-    weights = [line.partition("weights ")[2] for line in out.getvalue().splitlines() if "] weights [" in line]
-    assert len(weights) == 2 and weights[0] == weights[1], out.getvalue()[-3000:]  # one model, in sync
+    out = _launched(tmp_path, name, code + "\nprint('weights', np.concatenate([w.ravel() for w in model.get_weights()]).tolist())",
+                    workers=2)
+    weights = [line.partition("weights ")[2] for line in out.splitlines() if "] weights [" in line]
+    assert len(weights) == 2 and weights[0] == weights[1], out[-3000:]  # one model, in sync
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_ps_fit_example_trains_under_kpipe_launch_with_a_parameter_server(tmp_path, no_leaks):
-    from kpipe.distribute import launch
-
     name = "kpipe.distribute.ps_fit"
     head, code = example(_public()[name])
     assert "kpipe launch --workers 2 --ps 1" in head and '"/shared/backup"' in code
     code = code.replace('"/shared/backup"', repr(str(tmp_path / "backup")))  # (the one path the reader picks)
-    script = _script(tmp_path, name, code)
-    out = io.StringIO()
-    result = launch([sys.executable, script], workers=2, ps=1, env=ENV, output=out, timeout_s=240,
-                    warn_open_ports=False)
-    assert result.returncode == 0, out.getvalue()[-3000:]
-    losses = [line.partition("] ")[2] for line in out.getvalue().splitlines() if line.startswith("[chief] [")]
-    assert len(losses) == 1, out.getvalue()[-3000:]
+    out = _launched(tmp_path, name, code, workers=2, ps=1)
+    losses = [line.partition("] ")[2] for line in out.splitlines() if line.startswith("[chief] [")]
+    assert len(losses) == 1, out[-3000:]
     assert len(eval(losses[0])) == 3  # three epochs' losses, on the chief
 
 
