@@ -211,6 +211,35 @@ def test_a_change_of_worker_count_under_the_controller_starts_a_new_window():
     assert scaler.observe(script.step()) is not None
 
 
+class Cluster:
+    """A Ray backend's figures as `AutoscaleDriver.fit_to` reads them: what the cluster's
+    live nodes place, and the actors held (live ones and replacements waiting)."""
+
+    def __init__(self, cpus, placeable, held):
+        self.figures, self.num_workers = (cpus, placeable), held
+
+    def capacity(self):
+        return self.figures
+
+
+def test_a_remote_cluster_read_again_grows_the_cap_and_a_lost_node_retires_nothing():
+    driver = _autoscale.AutoscaleDriver.for_remote(None)
+    cluster = Cluster(4.0, 4, held=2)
+    driver.fit_to(cluster)
+    assert (driver.cpu_limit, driver.max_workers) == (4.0, 4)
+    cluster.figures, cluster.num_workers = (2.0, 2), 4  # a node lost: 2 live actors, 2 replacements waiting
+    driver.fit_to(cluster)
+    assert (driver.cpu_limit, driver.max_workers) == (4.0, 4)  # the replacements stand (placed when a node returns)
+    scaler, script = driver._scaler, Script(4)  # a consumer that needs them all: the controller keeps 4
+    assert all(d.workers_to >= 4 for d in run(scaler, script, 6, batch_s=0.2, cpu_s=0.001))
+    cluster.figures = (6.0, 6)  # a third node joined
+    driver.fit_to(cluster)
+    assert (driver.cpu_limit, driver.max_workers) == (6.0, 6)
+    cluster.figures, cluster.num_workers = (2.0, 2), 2  # nodes gone and the actors with them: the cap follows
+    driver.fit_to(cluster)
+    assert (driver.cpu_limit, driver.max_workers) == (2.0, 2)
+
+
 def test_controller_arguments_are_checked():
     with pytest.raises(ValueError, match="cpu_limit"):
         AutoScaler(0, 4)

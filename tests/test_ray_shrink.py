@@ -210,10 +210,10 @@ def test_a_node_added_back_mid_fit_gets_the_replacements_which_take_batches(clus
                 elif epoch == 2:
                     assert _states(backend).count("starting") == 2
                     added.append(_spot(cluster))  # (`ray start` again, or the autoscaler)
+                    nodes.append(added[-1])  # (removed by the teardown, whatever happens)
                     assert _placed(4)  # the next pass's first read takes them in
 
             model.fit(loader, epochs=5, verbose=0, shuffle=False, callbacks=[_on_epoch_end(shrink_and_grow)])
-            nodes += added
             assert loader.stats()["loads"] == 40
             back = [a for a in backend.actors() if a["node"] == added[0].node_id]
             assert len(back) == 2 and all(a["loads"] > 0 for a in back), backend.actors()  # they took batches
@@ -245,10 +245,10 @@ def test_auto_grows_back_to_what_the_cluster_places_when_a_lost_node_returns(clu
                     _lose(cluster, _node_of(nodes, backend), backend)
                 elif epoch == 2:
                     added.append(_spot(cluster))  # (`ray start` again, or the autoscaler)
+                    nodes.append(added[-1])  # (removed by the teardown, whatever happens)
                     assert _placed(4)
 
             model.fit(loader, epochs=5, verbose=0, shuffle=False, callbacks=[_on_epoch_end(shrink_and_grow)])
-            nodes += added
             assert loader.stats()["loads"] == 80  # each batch delivered once per epoch, in order (the weights)
             assert seen[1] == (["live"] * 4, 4, 4)  # grown to what the cluster places
             assert seen[2] == (["live", "live", "starting", "starting"], 4, 2)  # fewer: 2 live, 2 replacements wait

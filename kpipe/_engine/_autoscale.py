@@ -60,7 +60,10 @@ stolen time is not read (f = 0: this machine's /proc/stat says nothing of theirs
 `max_workers` is also what the cluster can place. Both are read again every `REFIT_S` while
 the loader runs, so a cluster that grows (nodes added by `ray start` or the autoscaler) is
 used beyond the size it had when the workers started, and one that shrank is not asked for
-actors it cannot place.
+more actors than it can place. A shrink never retires actors by itself: the replacements of
+actors lost with a node wait for Ray to place them (at once when a node returns; their
+demand is what Ray's autoscaler adds nodes for), so figures read below the actors held
+(live and waiting) leave the last ones standing.
 """
 
 import dataclasses
@@ -440,6 +443,9 @@ class AutoscaleDriver:
             return
         self._refit_at = time.perf_counter() + REFIT_S
         cpus, placeable = backend.capacity()
+        held = backend.num_workers  # live actors and the replacements of lost ones, waiting to be placed
+        if placeable < held:  # nodes lost: what the actors held stands (their replacements wait for a node)
+            cpus, placeable = max(float(cpus), self.cpu_limit), held
         self.cpu_limit = max(float(cpus), 1.0)
         self.max_workers = max(1, min(self.ceiling, placeable))
         self._scaler.cpu_limit, self._scaler.max_workers = self.cpu_limit, self.max_workers
