@@ -15,8 +15,9 @@ cost alone, beside a consumer that takes ~nothing). Rows, interleaved over `--ro
 Columns: the worker process's CPU per batch from /proc (user + system, an uninstrumented
 run; least of the rounds), its minor page faults per batch, and a breakdown from a second,
 instrumented run (CPU time of each part, `time.thread_time`, per batch; median of the
-rounds); "rest" is the total less those parts (the worker's loop and Python); "copied MB"
-the bytes copied into the slot per batch.
+rounds); "rest" is the instrumented run's worker CPU (from /proc) less those parts: the
+worker's loop, its wait for messages, timers and Python (median of the rounds); "copied
+MB" the bytes copied into the slot per batch.
 "copy alone" is `np.copyto` of the same 1.5 MB from an array into a shared-memory slot in
 this process, in a loop (best of 9): what the copy costs without a loader around it.
 
@@ -75,22 +76,27 @@ def _instrument(acc):
 
 class Batches:
     """`n` batches of `kind` (see the module's docstring); `profile`: a file the worker
-    writes its counters to (those of every batch before) when it starts a batch."""
+    writes its counters to (those of every batch since the warm-up epoch) when it starts
+    batch 0 of a later epoch."""
 
     def __init__(self, kind, n, x, profile=None):
         self.kind, self.n, self.x, self.profile = kind, n, x, profile
-        self._acc = None
+        self._acc, self._reset = None, False
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
-        if self.profile and os.getpid() != _MAIN:
+        if self.profile and os.getpid() != _MAIN and i == 0:
             if self._acc is None:
                 self._acc = {}
                 _instrument(self._acc)
-            with open(self.profile, "w") as f:  # every batch before this one, complete
-                json.dump(self._acc, f)
+            elif not self._reset:  # the warm-up epoch is done: count the measured ones only
+                self._acc.clear()
+                self._reset = True
+            else:  # every batch before this one, complete
+                with open(self.profile, "w") as f:
+                    json.dump(self._acc, f)
         t0 = time.thread_time()
         if self.kind == "tiny":
             out = np.full(4, i), np.full(128, i)
@@ -145,14 +151,15 @@ def run(kind, x, n, epochs, profile=None):
             loader[0]  # (the worker writes its counters of every batch before it)
         after = {p: _stat(p) for p in procs if os.path.exists(f"/proc/{p}")}
     batches = epochs * n
+    cpu = sum(after[p][0] - before[p][0] for p in after)
+    faults = sum(after[p][1] - before[p][1] for p in after)
+    out = {"cpu_ms": 1e3 * cpu / batches, "minflt": faults / batches}
     if profile:
         with open(profile) as f:
             acc = json.load(f)
         per = max(1, acc.pop("batches", 0))
-        return dict({k: 1e3 * acc.get(k, 0.0) / per for k in _PARTS}, copied_bytes=acc.get("copied_bytes", 0) / per)
-    cpu = sum(after[p][0] - before[p][0] for p in after)
-    faults = sum(after[p][1] - before[p][1] for p in after)
-    return {"cpu_ms": 1e3 * cpu / batches, "minflt": faults / batches}
+        out.update({k: 1e3 * acc.get(k, 0.0) / per for k in _PARTS}, copied_bytes=acc.get("copied_bytes", 0) / per)
+    return out
 
 
 def copy_alone(x):
@@ -207,7 +214,8 @@ def main(argv=None):
     for row in rows:
         best = min(plain[row], key=lambda r: r["cpu_ms"])
         median = {p: sorted(r[p] for r in parts[row])[len(parts[row]) // 2] for p in _PARTS + ("copied_bytes",)}
-        rest = best["cpu_ms"] - sum(median[p] for p in _PARTS if p != "reserve")
+        rests = sorted(r["cpu_ms"] - sum(r[p] for p in _PARTS if p != "reserve") for r in parts[row])
+        rest = rests[len(rests) // 2]
         results.append({"row": row, **best, "parts_ms": median, "rest_ms": rest})
         print(f"{row:<12}{best['cpu_ms']:>11.3f}{best['minflt']:>8.1f}" + "".join(f"{median[p]:>11.3f}" for p in _PARTS)
               + f"{rest:>9.3f}{median['copied_bytes'] / 1e6:>11.3f}")

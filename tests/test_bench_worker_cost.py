@@ -24,7 +24,7 @@ def test_bench_worker_cost_small_run_reports_every_row_and_part(tmp_path):
     rows = {r["row"]: r for r in result["rows"]}
     assert list(rows) == ["tiny", "view", "kpipe.empty"]
     for r in rows.values():
-        assert r["cpu_ms"] >= 0 and r["minflt"] >= 0
+        assert r["cpu_ms"] >= 0 and r["minflt"] >= 0 and "rest_ms" in r
         assert set(r["parts_ms"]) == {"getitem", "flatten", "copy", "reserve", "keep_apart", "recv", "send", "copied_bytes"}
         assert r["parts_ms"]["getitem"] > 0 and r["parts_ms"]["recv"] > 0 and r["parts_ms"]["send"] > 0
     batch, labels = 16 * 16 * 16 * 3, 128 * 8  # (--small batch: 16 x 16 x 16 x 3 uint8, and 128 int64 labels)
