@@ -49,7 +49,8 @@ and kpipe through its feed at each `--worker-counts` count. Every row runs once 
 row's figure is its best epoch after the first of each call over the rounds, and the
 median of the rounds' bests beside it; "CPU ms/step" is the CPU time of the whole process
 tree (this process, kpipe's fork server and workers) per step of a call, least of the
-rounds. On JAX a per-batch breakdown follows (the trainer's next(), the loader, Keras's
+rounds, and "trainer" this process's part of it (the rest is the workers'). On JAX a
+per-batch breakdown follows (the trainer's next(), the loader, Keras's
 standardization, the conversion for JAX).
 
     python scripts/bench_feed.py                       # both sizes, all rows
@@ -538,8 +539,9 @@ def jax_breakdown(model, x, y, steps, epochs, workers, fed):
 
 
 def tree_cpu_seconds():
-    """CPU seconds (user + system) used so far by this process and every live descendant
-    (the loader's fork server and workers), from /proc; None where there is no /proc."""
+    """CPU seconds (user + system) used so far by this process (`time.process_time`) and
+    every live descendant (the loader's fork server and workers: from /proc, in clock
+    ticks); None where there is no /proc."""
     try:
         stats = {}
         for name in os.listdir("/proc"):
@@ -555,12 +557,12 @@ def tree_cpu_seconds():
     children = {}
     for pid, (ppid, _) in stats.items():
         children.setdefault(ppid, []).append(pid)
-    total, todo = 0, [os.getpid()]
+    ticks, todo = 0, list(children.get(os.getpid(), ()))
     while todo:
         pid = todo.pop()
-        total += stats.get(pid, (0, 0))[1]
+        ticks += stats.get(pid, (0, 0))[1]
         todo.extend(children.get(pid, ()))
-    return total / os.sysconf("SC_CLK_TCK")
+    return time.process_time() + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def backend_main(args, sizes, shapes, epochs, steps, calls, distinct):
@@ -575,19 +577,20 @@ def backend_main(args, sizes, shapes, epochs, steps, calls, distinct):
         shape = shapes[size]
         x, y = make_data(shape, distinct)
         model = make_model(shape)
-        per_row = {row: {"bests": [], "rates": [], "wholes": [], "cpu": []} for row in rows}
+        per_row = {row: {"bests": [], "rates": [], "wholes": [], "cpu": [], "own": []} for row in rows}
         for _ in range(rounds):
             for row in rows:
                 with backend_input(row, x, y, steps, args.workers) as (fit_args, fit_kwargs):
                     timer = EpochTimer()
-                    cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
+                    cpu0, own0, t0 = tree_cpu_seconds(), time.process_time(), time.perf_counter()
                     model.fit(*fit_args, epochs=1 + epochs, verbose=0, callbacks=[timer], **fit_kwargs)
                     whole = (1 + epochs) * steps / (time.perf_counter() - t0)
-                    cpu1 = tree_cpu_seconds()
+                    cpu1, own1 = tree_cpu_seconds(), time.process_time()
                 rates = [n / seconds for n, seconds in timer.epochs]
                 mine = per_row[row]
                 if cpu0 is not None and cpu1 is not None:
                     mine["cpu"].append(1e3 * (cpu1 - cpu0) / ((1 + epochs) * steps))
+                    mine["own"].append(1e3 * (own1 - own0) / ((1 + epochs) * steps))
                 mine["bests"].append(max(rates[1:] or rates))
                 mine["rates"].append(rates)
                 mine["wholes"].append(whole)
@@ -597,7 +600,8 @@ def backend_main(args, sizes, shapes, epochs, steps, calls, distinct):
             results.append({"size": size, "batch_shape": list(shape), "row": row, "steps_per_s": best,
                             "median_steps_per_s": median, "epoch_rates": mine["rates"][-1], "round_rates": mine["rates"],
                             "whole_steps_per_s": max(mine["wholes"]),
-                            "cpu_ms_per_step": min(mine["cpu"]) if mine["cpu"] else None})
+                            "cpu_ms_per_step": min(mine["cpu"]) if mine["cpu"] else None,
+                            "trainer_cpu_ms_per_step": min(mine["own"])})
             print(f"  {size}: {row:<18} {best:8.0f} steps/s best epoch, {median:8.0f} median of rounds, "
                   f"{max(mine['wholes']):8.0f} whole call", flush=True)
         ref = next(r for r in results if r["size"] == size and r["row"] == rows[0])
@@ -615,16 +619,18 @@ def backend_main(args, sizes, shapes, epochs, steps, calls, distinct):
           f"rounds' bests), whole call best; workers={args.workers} where not named; keras {keras.__version__}; "
           f"baseline: {rows[0]}" + (" (--small: smoke test)" if args.small else ""))
     print("(CPU ms/step: CPU time of this process, the loader's fork server and workers over a whole call, per "
-          "step, least of the rounds: what a step costs the machine, less sensitive to other load than steps/s)")
+          "step, least of the rounds: what a step costs the machine, less sensitive to other load than steps/s; "
+          "'trainer': of it this process's, least of the rounds)")
     print(f"{'input':<20}" + "".join(f"{s + ' steps/s':>15}{'vs ' + rows[0]:>10}{'median vs':>11}{'whole vs':>10}"
-                                     f"{'CPU ms/step':>13}" for s in sizes))
+                                     f"{'CPU ms/step':>13}{'trainer':>9}" for s in sizes))
     for row in rows:
         line = f"{row:<20}"
         for size in sizes:
             r = next(r for r in results if r["size"] == size and r["row"] == row)
             cpu = r["cpu_ms_per_step"]
             line += (f"{r['steps_per_s']:>15.0f}{r['vs_baseline']:>10.2f}{r['median_vs_baseline']:>11.2f}"
-                     f"{r['whole_vs_baseline']:>10.2f}{'-' if cpu is None else format(cpu, '.2f'):>13}")
+                     f"{r['whole_vs_baseline']:>10.2f}{'-' if cpu is None else format(cpu, '.2f'):>13}"
+                     f"{r['trainer_cpu_ms_per_step']:>9.2f}")
         print(line)
     if parts:
         cols = [("step_us", "step"), ("next_us", "next()"), ("loader_us", "in loader"), ("wait_recv_us", "wait+recv"),

@@ -112,6 +112,7 @@ def test_bench_feed_backend_jax_compares_kpipe_with_numpy_arrays(tmp_path):
     assert [r["row"] for r in result["rows"]] == ["numpy", "PyDataset", "kpipe in-thread", "kpipe workers=1", "kpipe workers=2"]
     assert all(r["steps_per_s"] > 0 and len(r["epoch_rates"]) == 2 for r in result["rows"])
     assert all(r["cpu_ms_per_step"] is None or r["cpu_ms_per_step"] > 0 for r in result["rows"])
+    assert all(r["trainer_cpu_ms_per_step"] > 0 for r in result["rows"])  # (this process's part of the CPU)
     assert result["rows"][0]["vs_baseline"] == 1.0 and result["rows"][0]["median_vs_baseline"] == 1.0
     # the per-batch breakdown: in Keras's thread the loader runs inside the trainer's next();
     # through the feed, the conversion for JAX (device_put off the CPU) runs in the feed's thread
