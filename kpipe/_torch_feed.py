@@ -15,8 +15,10 @@ lease (`kpipe/_engine/_shm.py`): a slot is not reused while a tensor made from i
 whoever holds it (the trainer, a callback, the user, a view of the tensor). Leaves torch
 cannot wrap (read-only arrays, dtypes torch lacks, such as uint32 or bfloat16 from
 ml_dtypes) go through Keras's conversion, as before. On a CUDA device Keras then copies
-each tensor to the device (`x.to(device)`) from the slot's pageable memory; pinned memory
-for that copy is not built (issue 47).
+each tensor to the device (`x.to(device)`) from the slot's pageable memory -- unless
+kpipe's ahead copy runs: on a CUDA device (and `KPIPE_TORCH_PIN` is not 0) a thread copies
+each batch into pinned host memory and on to the device ahead of the step, and the trainer
+gets tensors already on its device (NOTE in `kpipe/_torch_pin.py`).
 
 Example:
 
@@ -26,6 +28,8 @@ True
 """
 
 import numpy as np
+
+from kpipe import _torch_pin
 
 # NumPy dtypes torch.from_numpy takes and Keras's conversion would keep as they are.
 _KINDS = frozenset("biuf")
@@ -49,6 +53,12 @@ def _tensors(batch):
     return tree.map_structure(lambda x: torch.from_numpy(x) if wrappable(x) else x, batch, none_is_leaf=False)
 
 
+def _copier():
+    from keras.src.backend.torch.core import get_device
+
+    return _torch_pin.copier_for(get_device())
+
+
 def install():
     """Makes kpipe's `PyDatasetAdapter` answer `get_torch_dataloader()` for a ProcessLoader
     with batches of torch tensors over the slots (idempotent; other datasets keep Keras's
@@ -66,6 +76,10 @@ def install():
     def get_torch_dataloader(self):
         if getattr(self, "_kpipe_loader", None) is None:
             return original(self)
+        copier = None if self._source().probing() else _copier()
+        if copier is not None:  # pinned memory, copied to the device ahead (kpipe/_torch_pin.py)
+            batches = _torch_pin.ahead_batches(self._get_iterator(), copier, wrap=wrappable)
+            return data_adapter_utils.get_torch_dataloader(batches)
         return data_adapter_utils.get_torch_dataloader(_tensors(b) for b in self._get_iterator())
 
     adapter.get_torch_dataloader = get_torch_dataloader

@@ -1,0 +1,386 @@
+"""Pinned host memory and an ahead copy to Keras's CUDA device, on the PyTorch backend.
+
+NOTE [ The ahead copy: pinned buffers, a side stream, events ]
+--------------------------------------------------------------
+On the torch backend with a CUDA device, Keras copies each batch's tensors to the device
+(`x.to(device)` in its `convert_to_tensor`) from pageable memory, in the step's stream:
+the step waits for the copy, and the driver stages pageable memory through its own
+pinned buffer. torch's `DataLoader(pin_memory=True)` pins each batch in a thread; the
+copy still runs in the step. Here an `AheadCopy` does both ahead of the step:
+
+- a thread reads the loader's batches (`depth` ahead at most: its queue holds `depth`
+  batches) and copies every leaf torch can wrap (`_torch_feed.wrappable`) into one pinned
+  host buffer per batch, taken from a pool of at most `depth + 1` buffers (reused; one
+  that is too small for a batch is replaced by one that fits);
+- it then issues `.to(device, non_blocking=True)` for each leaf on a side CUDA stream and
+  records an event after them;
+- the consumer (Keras's trainer, in the main thread) gets the batches in order as tensors
+  already on its device; before a batch is handed over the step's stream waits for that
+  event (`wait_event`, on the GPU: the CPU does not block) and each tensor is marked as
+  used by the step's stream (`record_stream`), so the caching allocator does not give
+  its memory to the side stream while the step may still read it. Keras's
+  `convert_to_tensor` then keeps the tensor as it is (its `.to(device)` is a no-op for a
+  tensor already there): no second copy.
+- a batch's pinned buffer and its source arrays (which hold the loader's slot lease,
+  `kpipe/_engine/_shm.py`) are kept until the copy's event has completed, then the buffer
+  goes back to the pool and the slot back to the loader.
+
+Leaves torch cannot wrap are handed over as they are (Keras converts them, as before).
+The thread stops at the end of its batches, on an error (raised by `next()` in order,
+after the batches before it), or when the consumer is closed or garbage collected;
+batches read ahead and not taken are dropped with it.
+
+The copier is injectable: `CudaCopier` does the CUDA calls (guarded by
+`torch.cuda.is_available()`); `CpuCopier` makes the CPU the "device" (pinning a no-op, the
+"copy" a plain one) so the thread's ordering, bounding, buffer reuse and lease release run
+and are tested without a GPU (`KPIPE_TORCH_PIN=cpu`). `KPIPE_TORCH_PIN=0` turns the ahead
+copy off (today's zero-copy hand-over, NOTE in `kpipe/_torch_feed.py`).
+
+Example:
+
+>>> import numpy as np
+>>> batches = [(np.full(3, i, "float32"),) for i in range(4)]
+>>> ahead = AheadCopy(iter(batches), _NumpyCopier(), depth=2)
+>>> [int(b[0][0]) for b in ahead]
+[0, 1, 2, 3]
+>>> ahead.alive()
+False
+"""
+
+import collections
+import os
+import queue
+import threading
+import weakref
+
+import numpy as np
+
+DEPTH = 2  # batches copied ahead of the step
+_ALIGN = 64  # bytes: each leaf's offset in a pinned buffer
+_ROUND = 1 << 16  # buffers are sized up to a multiple of this (a batch that grows a little reuses them)
+_POLL_S = 0.1
+_ENV = "KPIPE_TORCH_PIN"
+
+
+def mode():
+    """`KPIPE_TORCH_PIN`: "auto" (unset or 1: pin for a CUDA device), "off" (0) or "cpu"."""
+    value = os.environ.get(_ENV, "1").strip().lower()
+    if value in ("", "1", "on", "true", "yes"):
+        return "auto"
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    if value == "cpu":
+        return "cpu"
+    raise ValueError(
+        f"{_ENV}={value!r}: expected 1 (the default: pinned memory and an ahead copy for a CUDA device), "
+        "0 (off: batches handed over as tensors over the loader's slots) or cpu (the ahead copy with the CPU "
+        "as the device, for tests)")
+
+
+def copier_for(device):
+    """The copier for Keras's torch `device`, or None where nothing changes (a CPU device,
+    no CUDA, or `KPIPE_TORCH_PIN=0`)."""
+    chosen = mode()
+    if chosen == "off":
+        return None
+    if chosen == "cpu":
+        return CpuCopier()
+    try:
+        import torch
+    except ImportError:
+        return None
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return CudaCopier(device)
+
+
+class _Buffer:
+    __slots__ = ("handle", "array", "capacity")
+
+    def __init__(self, handle, array):
+        self.handle, self.array, self.capacity = handle, array, array.nbytes
+
+
+class _NumpyCopier:
+    """The copier's interface, on NumPy alone: the "device" is host memory, the copy a
+    plain one, every copy complete at once (event None)."""
+
+    def alloc(self, nbytes):
+        """A host buffer of `nbytes`: (handle, uint8 NumPy view of it)."""
+        array = np.empty(nbytes, np.uint8)
+        return array, array
+
+    def view(self, buffer, offset, dtype, shape):
+        return buffer.array[offset:offset + np.dtype(dtype).itemsize * int(np.prod(shape))].view(dtype).reshape(shape)
+
+    def send(self, buffer, places):
+        """Starts the copy of `buffer`'s leaves at `places` [(offset, dtype, shape)] to the
+        device: (device leaves, event)."""
+        return [self.view(buffer, *place).copy() for place in places], None
+
+    def query(self, event):
+        return event is None
+
+    def wait(self, event):
+        """Blocks until `event` completed."""
+
+    def hand(self, leaves, event):
+        """In the consumer's thread, before the leaves are handed over."""
+
+
+class CpuCopier(_NumpyCopier):
+    """The CPU as the device: torch tensors copied out of the (unpinned) buffer."""
+
+    def send(self, buffer, places):
+        import torch
+
+        return [torch.from_numpy(self.view(buffer, *place).copy()) for place in places], None
+
+
+class CudaCopier(_NumpyCopier):
+    """Pinned host buffers, `.to(device, non_blocking=True)` on a side stream, an event."""
+
+    def __init__(self, device):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"CudaCopier(device={device!r}): torch.cuda.is_available() is False; use "
+                               "copier_for(), which keeps the zero-copy hand-over without CUDA")
+        self._torch, self.device = torch, torch.device(device)
+        self._stream = torch.cuda.Stream(device=self.device)
+
+    def alloc(self, nbytes):
+        handle = self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+        return handle, handle.numpy()
+
+    def send(self, buffer, places):
+        torch = self._torch
+        leaves = []
+        with torch.cuda.stream(self._stream):
+            for offset, dtype, shape in places:
+                n = np.dtype(dtype).itemsize * int(np.prod(shape))
+                host = buffer.handle[offset:offset + n].view(torch.from_numpy(np.empty(0, dtype)).dtype).view(shape)
+                leaves.append(host.to(self.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return leaves, event
+
+    def query(self, event):
+        return event is None or event.query()
+
+    def wait(self, event):
+        if event is not None:
+            event.synchronize()
+
+    def hand(self, leaves, event):
+        current = self._torch.cuda.current_stream(self.device)
+        if event is not None:
+            current.wait_event(event)
+        for leaf in leaves:
+            leaf.record_stream(current)
+
+
+def _places(leaves):
+    """Each leaf's (offset, dtype, shape) in one buffer, offsets 64-byte aligned; the bytes."""
+    places, end = [], 0
+    for leaf in leaves:
+        places.append((end, leaf.dtype, leaf.shape))
+        end += -(-leaf.nbytes // _ALIGN) * _ALIGN
+    return places, end
+
+
+def _is_array(x):
+    return isinstance(x, np.ndarray)
+
+
+class _Slot:
+    __slots__ = ("i",)
+
+    def __init__(self, i):
+        self.i = i
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _Worker:
+    """The thread's state (the consumer's `AheadCopy` holds it; it does not hold the
+    consumer, so dropping the consumer stops the thread)."""
+
+    def __init__(self, batches, copier, depth, wrap):
+        self.batches, self.copier, self.wrap, self.limit = batches, copier, wrap, depth + 1
+        self.queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.free, self.made = [], 0  # the pool: idle buffers, buffers in existence
+        self.flight = collections.deque()  # [event, buffer, source batch]: copies maybe not completed
+        self.released = 0  # batches whose buffer and source were given back (tests)
+        self.buffers_made = 0  # buffers allocated in all (tests: reuse)
+
+    def run(self):
+        try:
+            for batch in self.batches:
+                if self.stop.is_set():
+                    return
+                item = self.stage(batch)
+                del batch
+                if not self.put(("batch", item)):
+                    return
+            self.drain()
+            self.put(("end", None))
+        except _Stopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001 -- raised by the consumer, in order
+            self.put(("error", exc))
+        finally:
+            close = getattr(self.batches, "close", None)
+            if close is not None:
+                close()  # (a generator: closed in the thread that ran it)
+            self.batches = None
+            self.drain()
+            self.free.clear()
+
+    def put(self, item):
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def stage(self, batch):
+        from keras.src import tree
+
+        picked = []
+
+        def mark(x):
+            if self.wrap(x):
+                picked.append(x)
+                return _Slot(len(picked) - 1)
+            return x
+
+        skeleton = tree.map_structure(mark, batch, none_is_leaf=False)
+        if not picked:
+            return skeleton, [], None
+        places, nbytes = _places(picked)
+        buffer = self.take(nbytes)
+        for place, leaf in zip(places, picked):
+            np.copyto(self.copier.view(buffer, *place), leaf, casting="no")
+        leaves, event = self.copier.send(buffer, places)
+        self.flight.append([event, buffer, batch])  # the slot's lease, until the copy completed
+        del batch
+        self.reclaim()
+        out = tree.map_structure(lambda x: leaves[x.i] if isinstance(x, _Slot) else x, skeleton, none_is_leaf=False)
+        return out, leaves, event
+
+    def reclaim(self):
+        while self.flight and self.copier.query(self.flight[0][0]):
+            _, buffer, _ = self.flight.popleft()
+            self.free.append(buffer)
+            self.released += 1
+
+    def drain(self):
+        """Waits for every copy in flight, then gives their buffers and slots back."""
+        for event, _, _ in self.flight:
+            self.copier.wait(event)
+        self.reclaim()
+
+    def take(self, nbytes):
+        """A buffer of at least `nbytes`: an idle one, a new one while fewer than the limit
+        exist, else the oldest copy's once it completed."""
+        while True:
+            if self.stop.is_set():
+                raise _Stopped
+            self.reclaim()
+            for i, buffer in enumerate(self.free):
+                if buffer.capacity >= nbytes:
+                    return self.free.pop(i)
+            if self.free and self.made >= self.limit:
+                self.free.pop(0)  # too small for this batch: replaced by one that fits
+                self.made -= 1
+            if self.made < self.limit:
+                self.made += 1
+                self.buffers_made += 1
+                return _Buffer(*self.copier.alloc(-(-nbytes // _ROUND) * _ROUND))
+            self.copier.wait(self.flight[0][0])
+
+
+def _stop(worker, thread):
+    worker.stop.set()
+    while True:  # unblock a put
+        try:
+            worker.queue.get_nowait()
+        except queue.Empty:
+            break
+    if thread is not threading.current_thread():
+        thread.join(timeout=10)
+
+
+class AheadCopy:
+    """Batches (structures of arrays) copied to a device by a thread, `depth` ahead, in
+    order; see the NOTE above.
+
+    Args:
+        batches: An iterator of batches (read in the thread; closed there if it has `close`).
+        copier: `CudaCopier`, `CpuCopier` (or another object with their methods).
+        depth: Batches copied ahead of the consumer at most (>= 1).
+        wrap: Which leaves are copied (others are handed over as they are); default: every
+            NumPy array (the torch feed passes `kpipe._torch_feed.wrappable`).
+    """
+
+    def __init__(self, batches, copier, depth=DEPTH, wrap=None):
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"AheadCopy(depth={depth!r}): expected an int >= 1 (batches copied ahead)")
+        if wrap is None:
+            wrap = _is_array
+        self._copier = copier
+        self._worker = _Worker(batches, copier, depth, wrap)
+        self._thread = threading.Thread(target=self._worker.run, name="kpipe-torch-pin", daemon=True)
+        self._finalizer = weakref.finalize(self, _stop, self._worker, self._thread)
+        self._done = False
+        self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        kind, item = self._worker.queue.get()
+        if kind == "batch":
+            out, leaves, event = item
+            self._copier.hand(leaves, event)
+            return out
+        self.close()
+        if kind == "error":
+            raise item
+        raise StopIteration
+
+    def close(self):
+        """Stops the thread (batches read ahead are dropped) and waits for it."""
+        self._done = True
+        self._finalizer()
+
+    def alive(self):
+        """Whether the thread runs."""
+        return self._thread.is_alive()
+
+    @property
+    def stats(self):
+        """{"released": batches whose buffer and slot were given back, "buffers": buffers
+        allocated in all, "in_flight": copies not known to be complete}."""
+        worker = self._worker
+        return {"released": worker.released, "buffers": worker.buffers_made, "in_flight": len(worker.flight)}
+
+
+def ahead_batches(batches, copier, depth=DEPTH, wrap=None):
+    """A generator over `AheadCopy(batches, copier, depth, wrap)` that starts the thread when first
+    read and stops it when closed or collected (Keras's torch `DataLoader` reads it)."""
+    ahead = AheadCopy(batches, copier, depth, wrap)
+    try:
+        yield from ahead
+    finally:
+        ahead.close()
