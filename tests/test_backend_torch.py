@@ -86,3 +86,19 @@ def test_batches_handed_to_the_torch_trainer_are_tensors_over_the_slots_equal_th
     for i in range(2):
         assert arrays[f"kpipe/{i}"].tobytes() == arrays[f"plain/{i}"].tobytes()
     assert record["tensorflow_imported"] is False
+
+
+def test_the_ahead_copy_hands_the_torch_trainer_copies_equal_the_dataset_and_gives_slots_back(tmp_path):
+    """kpipe/_torch_pin.py with the CPU as the device (`KPIPE_TORCH_PIN=cpu`: the thread, the
+    buffer pool and the release of slots as on a CUDA device, pinning a no-op): every batch
+    the trainer took, kept until fit() returned, equals the dataset called serially, byte for
+    byte, yet holds no slot (each slot went back once its batch was copied); training ends
+    with plain Keras's weights. On a CUDA device: scripts/gpu_check_torch.py."""
+    checks._outputs.run_program("jax_feed_cases.py", tmp_path, "--phase", "torch_handover", backend="torch",
+                                timeout=300, env={"KPIPE_TORCH_PIN": "cpu"})
+    record, arrays = checks._outputs.read(tmp_path / "torch_handover", 0)
+    assert record["kinds"] == ["Tensor"] and record["taken"] == 24 and record["equal"] == [True] * 24
+    assert record["slots_held_while_kept"] == 0 and record["slots_held_after_drop"] == 0
+    for i in range(2):
+        assert arrays[f"kpipe/{i}"].tobytes() == arrays[f"plain/{i}"].tobytes()
+    assert record["tensorflow_imported"] is False
