@@ -9,6 +9,11 @@
 #   scripts/gpu_check.sh --workers 16 --json gpu.json --plot gpu.png   # figure: utilisation over time
 #   PYTHON=/path/to/python scripts/gpu_check.sh   # use an existing environment
 #
+# PyTorch arm: when the chosen Python has torch with CUDA, scripts/gpu_check_torch.py runs
+# first (kpipe's pinned-memory ahead copy under KERAS_BACKEND=torch against plain Keras and
+# torch's DataLoader(pin_memory=True); < 4 minutes). GPU_CHECK_TORCH=0 skips it,
+# GPU_CHECK_TORCH=only runs just it.
+#
 # Without an NVIDIA GPU it says so and exits 0. Otherwise it makes sure `kpipe` (this
 # checkout, `pip install -e .`) and a TensorFlow that sees the GPU are installed in the
 # chosen Python (default: ./.venv if present, else a new ./.venv-gpu), then runs the check.
@@ -48,6 +53,24 @@ if ! sees_gpu; then
         echo "gpu_check: nvidia-smi lists a GPU but TensorFlow cannot use it (CUDA driver/library mismatch?)." >&2
         exit 1
     fi
+fi
+
+torch_rc=0
+case "${GPU_CHECK_TORCH:-1}" in
+    0) ;;
+    *)
+        if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+            timeout 240 "$PY" scripts/gpu_check_torch.py || torch_rc=$?
+        else
+            echo "gpu_check: torch arm skipped: no CUDA torch in $PY (pip install torch with CUDA to run it)"
+        fi
+        if [ "${GPU_CHECK_TORCH:-1}" = only ]; then exit "$torch_rc"; fi
+        ;;
+esac
+if [ "$torch_rc" != 0 ]; then
+    echo "gpu_check: the torch arm failed (exit $torch_rc); the TensorFlow arms follow" >&2
+    timeout 540 "$PY" scripts/gpu_check.py "$@" || true
+    exit "$torch_rc"
 fi
 
 # 9-minute budget for the whole check (four loader arms and the pipeline case); each arm also has its

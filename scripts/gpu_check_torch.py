@@ -156,8 +156,8 @@ def report(results, args):
         rates = [args.steps / t for r in runs for t in r["epoch_s"]]
         diff = max(max(max_rel_diff(r["weights"], reference["weights"]),
                        max_rel_diff([np.array(r["losses"])], [np.array(reference["losses"])])) for r in runs)
-        ratio = best[arm] / best["torch-dl"] if "torch-dl" in best else float("nan")
-        print(f"{arm:<12} {best[arm]:>12.1f} {statistics.median(rates):>8.1f} {ratio:>10.2f}x {diff:>12.2e}  "
+        ratio = f"{best[arm] / best['torch-dl']:.2f}x" if "torch-dl" in best else "n/a"
+        print(f"{arm:<12} {best[arm]:>12.1f} {statistics.median(rates):>8.1f} {ratio:>11} {diff:>12.2e}  "
               f"{','.join(sorted(set(runs[0]['on_device'])))}")
         if diff > args.tolerance:
             failures.append(f"{arm}: weights/losses differ from plain Keras's by {diff:.2e} (> {args.tolerance})")

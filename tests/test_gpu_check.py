@@ -105,3 +105,47 @@ def test_pipeline_case_on_logical_cpus_checks_the_losses(tmp_path):
     result = json.loads(out.read_text())["pipeline"]
     assert result["devices"] == ["/cpu:0", "/cpu:1"] and result["match"] and result["peak_mb_one"] is None
     assert len(result["loss_one"]) == 2 and result["max_rel_diff"] < 1e-4
+
+
+
+def _torch_script():
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import gpu_check_torch
+
+    sys.path.pop(0)
+    return gpu_check_torch, os.path.join(REPO, "scripts", "gpu_check_torch.py"), dict(
+        os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO)
+
+
+def test_torch_arm_says_skipped_and_exits_0_without_cuda_torch():
+    """scripts/gpu_check_torch.py (kpipe/_torch_pin.py's GPU check) where torch is missing or
+    has no CUDA: "skipped: no CUDA torch (<why>)", exit 0."""
+    module, script, env = _torch_script()
+    skip = module.cuda_skip_reason()
+    if skip is None:
+        pytest.skip("torch has CUDA here: the check runs (scripts/gpu_check.sh)")
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"gpu_check_torch: skipped: no CUDA torch ({skip})" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_torch_arm_on_the_cpu_trains_every_arm_to_plain_keras_weights(tmp_path):
+    """`--cpu-ok` with torch (CPU): every arm trains and ends with plain Keras's weights and
+    losses (the pin arm through KPIPE_TORCH_PIN=cpu: the ahead copy with the CPU as device)."""
+    module, script, env = _torch_script()
+    skip = module.cuda_skip_reason()
+    if skip is not None and skip.startswith("torch is not importable"):
+        pytest.skip(skip)
+    out = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, script, "--cpu-ok", "--steps", "3", "--batch", "4", "--size", "8",
+                           "--workers", "1", "--rounds", "1", "--epochs", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=380, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "every arm ends with plain Keras's weights and losses" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["failures"] == [] and result["cuda"] is (skip is None)
+    assert set(result) >= {"plain", "kpipe-pin", "kpipe-nopin", "torch-dl"}
+    assert result["kpipe-pin"]["losses"] == result["plain"]["losses"] and len(result["plain"]["losses"]) == 2
