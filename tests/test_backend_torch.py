@@ -102,3 +102,18 @@ def test_the_ahead_copy_hands_the_torch_trainer_copies_equal_the_dataset_and_giv
     for i in range(2):
         assert arrays[f"kpipe/{i}"].tobytes() == arrays[f"plain/{i}"].tobytes()
     assert record["tensorflow_imported"] is False
+
+
+def test_the_ahead_copy_thread_is_gone_after_fit_whole_or_partial_epochs(tmp_path):
+    """No ahead-copy thread and no slot left once `fit()` returns, whether each epoch ran to
+    its end or Keras dropped its iterator after `steps_per_epoch=5` of 12 batches
+    (tests/programs/torch_pin_cases.py, KPIPE_TORCH_PIN=cpu)."""
+    checks._outputs.run_program("torch_pin_cases.py", tmp_path, backend="torch", timeout=300,
+                                env={"KPIPE_TORCH_PIN": "cpu"})
+    record, arrays = checks._outputs.read(tmp_path / "threads", 0)
+    assert record["mode"] == "cpu"
+    for name in ("whole", "partial"):
+        assert record[f"{name}/threads_after_fit"] == 0 and record[f"{name}/slots_after_fit"] == 0
+        assert record[f"{name}/threads_after_close"] == 0
+    for i in range(2):
+        assert arrays[f"whole/{i}"].tobytes() == arrays[f"plain/{i}"].tobytes()
