@@ -139,6 +139,15 @@ class CpuCopier(_NumpyCopier):
         return [torch.from_numpy(self.view(buffer, *place).copy()) for place in places], None
 
 
+def host_view(handle, offset, dtype, shape):
+    """The torch tensor over a leaf in a (pinned) uint8 torch buffer: the same memory, so
+    the copy from it is from pinned memory."""
+    import torch
+
+    n = np.dtype(dtype).itemsize * int(np.prod(shape))
+    return handle[offset:offset + n].view(torch.from_numpy(np.empty(0, dtype)).dtype).view(tuple(shape))
+
+
 class CudaCopier(_NumpyCopier):
     """Pinned host buffers, `.to(device, non_blocking=True)` on a side stream, an event."""
 
@@ -160,9 +169,7 @@ class CudaCopier(_NumpyCopier):
         leaves = []
         with torch.cuda.stream(self._stream):
             for offset, dtype, shape in places:
-                n = np.dtype(dtype).itemsize * int(np.prod(shape))
-                host = buffer.handle[offset:offset + n].view(torch.from_numpy(np.empty(0, dtype)).dtype).view(shape)
-                leaves.append(host.to(self.device, non_blocking=True))
+                leaves.append(host_view(buffer.handle, offset, dtype, shape).to(self.device, non_blocking=True))
             event = torch.cuda.Event()
             event.record(self._stream)
         return leaves, event

@@ -196,3 +196,22 @@ def test_the_switch_and_the_copier_for_a_device(monkeypatch):
         _torch_pin.mode()
     with pytest.raises(ValueError, match=r"AheadCopy\(depth=0\)"):
         _torch_pin.AheadCopy(iter([]), LaterCopier(), depth=0)
+
+
+def test_the_cuda_copiers_torch_views_of_a_buffer_are_its_leaves_bytes():
+    """`host_view` (what CudaCopier copies to the device from), on a torch CPU buffer: each
+    leaf's tensor is the buffer's memory at its place, its dtype and shape, bytes equal."""
+    torch = pytest.importorskip("torch")
+    leaves = [np.arange(12, dtype="float32").reshape(3, 4), np.array([True, False]), np.zeros((0, 2), "int64"),
+              np.arange(5, dtype="uint8"), np.arange(6, dtype="int16").reshape(2, 3, 1), np.float64(2.5) * np.ones(())]
+    places, nbytes = _torch_pin._places(leaves)
+    handle = torch.zeros(nbytes, dtype=torch.uint8)
+    copier = _torch_pin._NumpyCopier()
+    buffer = _torch_pin._Buffer(handle, handle.numpy())
+    for place, leaf in zip(places, leaves):
+        copier.view(buffer, *place)[...] = leaf
+    for (offset, dtype, shape), leaf in zip(places, leaves):
+        view = _torch_pin.host_view(handle, offset, dtype, shape)
+        assert offset % 64 == 0 and (view.numel() == 0 or view.data_ptr() == handle.data_ptr() + offset)
+        assert tuple(view.shape) == leaf.shape and view.numpy().dtype == leaf.dtype
+        assert view.numpy().tobytes() == leaf.tobytes()
