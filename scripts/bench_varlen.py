@@ -72,6 +72,7 @@ by CPU, and kpipe is at 1.34-1.45x.
 """
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -176,11 +177,13 @@ def interleaved(runs, epochs):
     return {row: (rates[row], waste[row], cpu[row]) for row in runs}
 
 
-def run_kpipe(spec, workers, epochs, seed):
+def run_kpipe(spec, workers, epochs, seed, max_queue_size=None):
+    """kpipe's row: `from_samples` with buckets, at the default `max_queue_size` (None) or
+    the one given (the `--kpipe-queues` rows)."""
     ds = spec["make"]()
     buckets = kpipe.Buckets(spec["boundaries"])
     with kpipe.ProcessLoader.from_samples(ds, spec["batch"], buckets=buckets, lengths=ds.lengths, shuffle=True, seed=seed,
-                                          workers=workers) as loader:
+                                          workers=workers, max_queue_size=max_queue_size) as loader:
         for _ in range(epochs):
             samples = padded = 0
             for i in range(len(loader)):
@@ -363,14 +366,21 @@ ROWS = [("kpipe", run_kpipe, None), ("bare processes", run_bare, None), ("tf.dat
         ("torch DataLoader pad_sequence", run_torch, "torch"), ("grain", run_grain, "grain")]
 
 
-def measure(name, spec, workers, epochs, seed, rows=None, result=None):
+def queue_rows(queues):
+    """Rows of kpipe at the explicit `max_queue_size`s `queues` (`--kpipe-queues`), beside
+    the default's: the window's depth measured in the same run."""
+    return [(f"kpipe max_queue_size={q}", functools.partial(run_kpipe, max_queue_size=q), None) for q in queues]
+
+
+def measure(name, spec, workers, epochs, seed, rows=None, result=None, queues=()):
     """Measures workload `name` (`spec` from `workloads()`): its rows' passes interleaved.
     Adds its rows, skipped rows and ratios to `result` (a dict, made if None) and returns
-    it. `rows`: the row names to run (None: all; "kpipe" and "bare processes" always)."""
+    it. `rows`: the row names to run (None: all; "kpipe" and "bare processes" always);
+    `queues`: kpipe rows at these `max_queue_size`s besides."""
     result = {"rows": [], "skipped": []} if result is None else result
     runs = {}
-    for row, run, module in ROWS:
-        if rows is not None and row not in rows and row not in ("kpipe", "bare processes"):
+    for row, run, module in ROWS[:1] + queue_rows(queues) + ROWS[1:]:
+        if rows is not None and row not in rows and row not in ("kpipe", "bare processes") and not row.startswith("kpipe "):
             continue
         reason = peer_missing(module) if module else None
         if reason:
@@ -388,7 +398,7 @@ def measure(name, spec, workers, epochs, seed, rows=None, result=None):
                                "workers_cpu_us_per_sample": statistics.median(c[1] for c in cpu),
                                "epoch_cpu_us_per_sample": cpu})
     bare = rates["bare processes"]
-    peers = {k: r for k, r in rates.items() if k not in ("kpipe", "bare processes")}
+    peers = {k: r for k, r in rates.items() if k not in ("kpipe", "bare processes") and not k.startswith("kpipe ")}
     peer_cpu = {k: c for k, c in cpus.items() if k in peers}
     for entry in result["rows"]:
         if entry["workload"] == name:
@@ -431,11 +441,19 @@ def main(argv=None):
     parser.add_argument("--workloads", default="text,audio")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the measurements here")
+    parser.add_argument("--kpipe-queues", default="", help="comma-separated max_queue_size values: a kpipe row at each, "
+                        "beside the default's (e.g. 4: the default before the deeper window for small batches)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be >= 1. Received: --workers {args.workers}")
     if args.epochs < 2:
         parser.error(f"--epochs must be >= 2 (the first is a warm-up). Received: --epochs {args.epochs}")
+    try:
+        queues = [int(q) for q in args.kpipe_queues.split(",") if q.strip()]
+    except ValueError:
+        queues = [0]
+    if any(q < 1 for q in queues):
+        parser.error(f"--kpipe-queues takes comma-separated integers >= 1. Received: {args.kpipe_queues!r}")
     specs = workloads(args.smoke)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not names or any(w not in specs for w in names):
@@ -444,7 +462,7 @@ def main(argv=None):
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     result = {"workers": args.workers, "epochs": args.epochs, "smoke": args.smoke, "rows": [], "skipped": []}
     for name in names:
-        measure(name, specs[name], args.workers, args.epochs, args.seed, result=result)
+        measure(name, specs[name], args.workers, args.epochs, args.seed, result=result, queues=queues)
         report(name, specs[name], result)
     if args.json:
         with open(args.json, "w") as f:
