@@ -58,6 +58,29 @@ the default `max_queue_size` (4), 29516 with `max_queue_size=16`, bare 29194: wi
 batches in flight the consumer's hand-over no longer stalls the workers, and text reaches
 ~1.0x bare.
 
+Since then `from_samples` left at the default `max_queue_size` lets small batches go up to
+16 in flight (`kpipe/_args.py`'s `small_batch_queue`). Issue 46's third session measured
+it beside the old default with `--kpipe-queues 4` (medians of 4-5 passes, rows interleaved;
+the 2-core machine shared, load average 3-7, so samples/s moved 2x between runs; kpipe /
+bare by samples/s, old default in brackets):
+
+    --workers                 1                2                         4
+    text   kpipe / bare       0.55x (0.48x)    0.98x (0.82x), 1.01x      0.46x (0.46x)
+                              0.79x (0.81x)*   (0.71x)                   1.13x (0.74x)*
+    audio  kpipe / bare       0.65x (0.66x)    1.06x (0.80x), 0.73x      0.78x (0.64x)
+                                               (0.70x)
+    (* text rows only, `kpipe`/`bare` interleaved, load 3.2-4.9)
+
+With one worker the depth changes nothing (the worker's CPU per sample bounds it: 46.7 us
+kpipe vs 38.3 bare in the starred run -- kpipe's padding path ~1.5 us a sample more than a
+hand loop, and the engine's per-task cost, ~130 us a batch in the worker and ~120 in the
+consumer measured with a 1-sample batch). The run with torch and Grain (2 workers, load
+4.8-7.0): text kpipe 17,814, bare 17,684, PyTorch 10,045, Grain 8,179 = 1.77x the best peer
+(1.84x by CPU); audio kpipe 694, bare 954, Grain 1,303 by samples/s, but by CPU per sample
+kpipe 1,054 us vs Grain 1,412 (1.34x) and tf.data 1,457: on a crowded machine the wall
+clock measures the share of the cores each row's processes won. Where audio's CPU goes and
+the cap the dataset sets: `scripts/bench_varlen_parts.py`.
+
 Where kpipe's text CPU goes (per batch of 32, ~1.3 ms of the dataset's own tokenizing):
 the padding write ~75 us (a hand-written loop ~35; ~100 before this session's change), the
 engine's worker side ~0.2-0.3 ms per task (receive, allocate, lay out, send the
