@@ -94,7 +94,8 @@ class Reader:
         # (the window calls back weakly: no reference cycle keeps the reader, and so the
         # workers, alive once the loader is dropped -- reference counting frees them then)
         self.window = Window(self.position, self.stats, max_queue_size=max_queue_size, max_queue_bytes=max_queue_bytes,
-                             small_batches=small, workers=workers, next_key=_weakly(self.next_dispatch), before_submit=_weakly(self._before_submit))
+                             workers=workers, next_key=_weakly(self.next_dispatch), before_submit=_weakly(self._before_submit),
+                             small_batches=small)
         self.ahead = _ahead.LoadAhead(epoch_end_ahead, stateful=self.stateful, in_process=workers == 0 or use_threads,
                                       name=name, call_hooks=_dataset_api.call_pass_end_hooks,
                                       num_batches=_dataset_api.num_batches)
@@ -434,7 +435,7 @@ class Reader:
                 start_method=self.start_method,
                 timeout=self.timeout,
                 seed=self.position.seed,
-                keep_idle=self.max_queue_size + (auto.max_workers if auto else self.num_workers),
+                keep_idle=self.window.ceiling() + (auto.max_workers if auto else self.num_workers),  # (Window.ceiling)
                 max_workers=auto.max_workers if auto else None,
                 keep_payload=True,  # compared with the dataset at each pass end (check_state, _hook_ran)
                 worker_threads=self.worker_threads,

@@ -134,5 +134,8 @@ def test_batches_too_large_for_the_bytes_bound_keep_the_default_window(max_queue
     width = (8 << 20) // 4 // 4
     with kpipe.ProcessLoader.from_samples(Tokens(n=48, width=width), 4, workers=2, timeout=60,
                                           max_queue_size=max_queue_size) as loader:
+        # idle slots kept: what the window may use as its backend starts (no batch known
+        # yet: the default), not the 16 of the small-batch ceiling
+        assert loader._reader.backend._slots._keep_idle == (4 if max_queue_size is None else 16) + 2
         deepest = _deepest(loader)
     assert deepest == 4 if max_queue_size is None else 4 < deepest <= 16
