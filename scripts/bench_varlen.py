@@ -70,6 +70,11 @@ bare by samples/s, old default in brackets):
     audio  kpipe / bare       0.65x (0.66x)    1.06x (0.80x), 0.73x      0.78x (0.64x)
                                                (0.70x)
     (* text rows only, `kpipe`/`bare` interleaved, load 3.2-4.9)
+    end of the session, final code, load 5.0-5.8, `--epochs 5`:
+    text   kpipe / bare       0.73x (0.68x)    0.76x (0.63x)             0.84x (0.72x)
+           by CPU per sample  0.79x (0.79x)    0.93x (0.82x)             0.82x (0.78x)
+    audio  kpipe / bare       0.48x (0.50x)    0.81x (0.60x)             0.80x (0.68x)
+           by CPU per sample  0.98x (0.95x)    1.11x (0.96x)             1.19x (0.95x)
 
 With one worker the depth changes nothing (the worker's CPU per sample bounds it: 46.7 us
 kpipe vs 38.3 bare in the starred run -- kpipe's padding path ~1.5 us a sample more than a
