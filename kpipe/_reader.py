@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 
-from kpipe import _compat, _dataset_api, _stream
+from kpipe import _args, _compat, _dataset_api, _stream
 from kpipe._engine import _ahead, _pickling, _tree, _unsent
 from kpipe._engine._local import InlineBackend, ThreadBackend
 from kpipe._engine._pool import ProcessBackend
@@ -75,6 +75,8 @@ class Reader:
         self.name = name
         self.num_workers = workers
         self.worker_threads = worker_threads
+        max_queue_size, small = _args.small_batch_queue(dataset, max_queue_size, workers, use_threads=use_threads,
+                                                        remote=remote, autoscale=autoscale)  # (from_samples' default)
         self.max_queue_size = max_queue_size
         self.start_method = start_method
         self.use_threads = use_threads
@@ -92,7 +94,8 @@ class Reader:
         # (the window calls back weakly: no reference cycle keeps the reader, and so the
         # workers, alive once the loader is dropped -- reference counting frees them then)
         self.window = Window(self.position, self.stats, max_queue_size=max_queue_size, max_queue_bytes=max_queue_bytes,
-                             workers=workers, next_key=_weakly(self.next_dispatch), before_submit=_weakly(self._before_submit))
+                             workers=workers, next_key=_weakly(self.next_dispatch), before_submit=_weakly(self._before_submit),
+                             small_batches=small)
         self.ahead = _ahead.LoadAhead(epoch_end_ahead, stateful=self.stateful, in_process=workers == 0 or use_threads,
                                       name=name, call_hooks=_dataset_api.call_pass_end_hooks,
                                       num_batches=_dataset_api.num_batches)
@@ -432,7 +435,7 @@ class Reader:
                 start_method=self.start_method,
                 timeout=self.timeout,
                 seed=self.position.seed,
-                keep_idle=self.max_queue_size + (auto.max_workers if auto else self.num_workers),
+                keep_idle=self.window.ceiling() + (auto.max_workers if auto else self.num_workers),  # (Window.ceiling)
                 max_workers=auto.max_workers if auto else None,
                 keep_payload=True,  # compared with the dataset at each pass end (check_state, _hook_ran)
                 worker_threads=self.worker_threads,

@@ -49,6 +49,15 @@ each sample is read once, in the main process, when the loader is built to measu
 (the first padded leaf's first axis). Given lengths are checked against the samples as
 they are padded (a named error when they disagree; a collate function sees the samples
 as they are).
+
+The window: left at its default, `max_queue_size` is `max(4, 2 * workers)` as for any
+loader, but with worker processes the window may deepen (when workers idled behind a
+slower batch: `_engine/_window.py`) up to 16 batches in flight while 16 of the last batch
+take at most 32 MiB (`_args.small_batch_queue`; never below the default). Per-sample
+batches are often small (32 token rows: ~64 KB, ~2 ms of work) and of uneven cost (length
+buckets), so at two per worker a worker ran out of work while the consumer waited for a
+longer bucket's batch: 0.82x bare processes on `scripts/bench_varlen.py`'s text, ~1.0x at
+16. An explicit `max_queue_size` is the bound as given.
 """
 
 import os
@@ -83,6 +92,7 @@ class SampleBatches:
     """
 
     _kpipe_keyed_by_pass = True  # the loader gives __getitem__ `(pass, batch)` keys
+    default_queue = False  # from_samples left max_queue_size at its default (the reader's _args.small_batch_queue)
 
     def __init__(self, dataset, batch_size, *, shuffle, seed, drop_remainder, padding=None, buckets=None,
                  lengths=None, collate=None, pool=None):
@@ -302,6 +312,7 @@ def for_loader(dataset, batch_size, *, shuffle, seed, drop_remainder, has_hooks,
     cls = _SampleBatchesWithHooks if has_hooks else SampleBatches
     batches = cls(dataset, batch_size, shuffle=bool(shuffle), seed=seed, drop_remainder=bool(drop_remainder),
                   padding=padding, buckets=buckets, lengths=lengths, collate=collate, pool=pool)
+    batches.default_queue = options.get("max_queue_size") is None  # (an explicit one always wins)
     if len(batches) == 0:
         raise ValueError(f"`{_name(dataset)}` has {batches.num_samples()} samples, fewer than batch_size={batch_size} "
                          "with drop_remainder=True: no batch. Use a smaller batch_size.")

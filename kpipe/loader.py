@@ -270,8 +270,8 @@ class ProcessLoader(keras.utils.PyDataset):
             seed: As `ProcessLoader`'s, also of the sample order. Defaults to None.
             drop_remainder: Leave out the last `len(dataset) % batch_size` samples of
                 each pass instead of a smaller last batch. Defaults to False.
-            **kwargs: `padding` (`kpipe.Padding`), `buckets` (`kpipe.Buckets`), `lengths`, `collate`:
-                variable-length samples (NOTE in `kpipe/_samples.py`); any `ProcessLoader` argument.
+            **kwargs: `padding` (`kpipe.Padding`), `buckets` (`kpipe.Buckets`), `lengths`, `collate`: variable-length
+                samples; any `ProcessLoader` argument (a default `max_queue_size` goes deeper for small batches): NOTE in `kpipe/_samples.py`.
 
         Raises:
             ValueError, TypeError: bad arguments (naming them), or an empty dataset.

@@ -58,6 +58,34 @@ the default `max_queue_size` (4), 29516 with `max_queue_size=16`, bare 29194: wi
 batches in flight the consumer's hand-over no longer stalls the workers, and text reaches
 ~1.0x bare.
 
+Since then `from_samples` left at the default `max_queue_size` lets small batches go up to
+16 in flight (`kpipe/_args.py`'s `small_batch_queue`). Issue 46's third session measured
+it beside the old default with `--kpipe-queues 4` (medians of 4-5 passes, rows interleaved;
+the 2-core machine shared, load average 3-7, so samples/s moved 2x between runs; kpipe /
+bare by samples/s, old default in brackets):
+
+    --workers                 1                2                         4
+    text   kpipe / bare       0.55x (0.48x)    0.98x (0.82x), 1.01x      0.46x (0.46x)
+                              0.79x (0.81x)*   (0.71x)                   1.13x (0.74x)*
+    audio  kpipe / bare       0.65x (0.66x)    1.06x (0.80x), 0.73x      0.78x (0.64x)
+                                               (0.70x)
+    (* text rows only, `kpipe`/`bare` interleaved, load 3.2-4.9)
+    end of the session, final code, load 5.0-5.8, `--epochs 5`:
+    text   kpipe / bare       0.73x (0.68x)    0.76x (0.63x)             0.84x (0.72x)
+           by CPU per sample  0.79x (0.79x)    0.93x (0.82x)             0.82x (0.78x)
+    audio  kpipe / bare       0.48x (0.50x)    0.81x (0.60x)             0.80x (0.68x)
+           by CPU per sample  0.98x (0.95x)    1.11x (0.96x)             1.19x (0.95x)
+
+With one worker the depth changes nothing (the worker's CPU per sample bounds it: 46.7 us
+kpipe vs 38.3 bare in the starred run -- kpipe's padding path ~1.5 us a sample more than a
+hand loop, and the engine's per-task cost, ~130 us a batch in the worker and ~120 in the
+consumer measured with a 1-sample batch). The run with torch and Grain (2 workers, load
+4.8-7.0): text kpipe 17,814, bare 17,684, PyTorch 10,045, Grain 8,179 = 1.77x the best peer
+(1.84x by CPU); audio kpipe 694, bare 954, Grain 1,303 by samples/s, but by CPU per sample
+kpipe 1,054 us vs Grain 1,412 (1.34x) and tf.data 1,457: on a crowded machine the wall
+clock measures the share of the cores each row's processes won. Where audio's CPU goes and
+the cap the dataset sets: `scripts/bench_varlen_parts.py`.
+
 Where kpipe's text CPU goes (per batch of 32, ~1.3 ms of the dataset's own tokenizing):
 the padding write ~75 us (a hand-written loop ~35; ~100 before this session's change), the
 engine's worker side ~0.2-0.3 ms per task (receive, allocate, lay out, send the
@@ -72,6 +100,7 @@ by CPU, and kpipe is at 1.34-1.45x.
 """
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -176,11 +205,13 @@ def interleaved(runs, epochs):
     return {row: (rates[row], waste[row], cpu[row]) for row in runs}
 
 
-def run_kpipe(spec, workers, epochs, seed):
+def run_kpipe(spec, workers, epochs, seed, max_queue_size=None):
+    """kpipe's row: `from_samples` with buckets, at the default `max_queue_size` (None) or
+    the one given (the `--kpipe-queues` rows)."""
     ds = spec["make"]()
     buckets = kpipe.Buckets(spec["boundaries"])
     with kpipe.ProcessLoader.from_samples(ds, spec["batch"], buckets=buckets, lengths=ds.lengths, shuffle=True, seed=seed,
-                                          workers=workers) as loader:
+                                          workers=workers, max_queue_size=max_queue_size) as loader:
         for _ in range(epochs):
             samples = padded = 0
             for i in range(len(loader)):
@@ -363,14 +394,21 @@ ROWS = [("kpipe", run_kpipe, None), ("bare processes", run_bare, None), ("tf.dat
         ("torch DataLoader pad_sequence", run_torch, "torch"), ("grain", run_grain, "grain")]
 
 
-def measure(name, spec, workers, epochs, seed, rows=None, result=None):
+def queue_rows(queues):
+    """Rows of kpipe at the explicit `max_queue_size`s `queues` (`--kpipe-queues`), beside
+    the default's: the window's depth measured in the same run."""
+    return [(f"kpipe max_queue_size={q}", functools.partial(run_kpipe, max_queue_size=q), None) for q in queues]
+
+
+def measure(name, spec, workers, epochs, seed, rows=None, result=None, queues=()):
     """Measures workload `name` (`spec` from `workloads()`): its rows' passes interleaved.
     Adds its rows, skipped rows and ratios to `result` (a dict, made if None) and returns
-    it. `rows`: the row names to run (None: all; "kpipe" and "bare processes" always)."""
+    it. `rows`: the row names to run (None: all; "kpipe" and "bare processes" always);
+    `queues`: kpipe rows at these `max_queue_size`s besides."""
     result = {"rows": [], "skipped": []} if result is None else result
     runs = {}
-    for row, run, module in ROWS:
-        if rows is not None and row not in rows and row not in ("kpipe", "bare processes"):
+    for row, run, module in ROWS[:1] + queue_rows(queues) + ROWS[1:]:
+        if rows is not None and row not in rows and row not in ("kpipe", "bare processes") and not row.startswith("kpipe "):
             continue
         reason = peer_missing(module) if module else None
         if reason:
@@ -388,7 +426,7 @@ def measure(name, spec, workers, epochs, seed, rows=None, result=None):
                                "workers_cpu_us_per_sample": statistics.median(c[1] for c in cpu),
                                "epoch_cpu_us_per_sample": cpu})
     bare = rates["bare processes"]
-    peers = {k: r for k, r in rates.items() if k not in ("kpipe", "bare processes")}
+    peers = {k: r for k, r in rates.items() if k not in ("kpipe", "bare processes") and not k.startswith("kpipe ")}
     peer_cpu = {k: c for k, c in cpus.items() if k in peers}
     for entry in result["rows"]:
         if entry["workload"] == name:
@@ -431,11 +469,19 @@ def main(argv=None):
     parser.add_argument("--workloads", default="text,audio")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the measurements here")
+    parser.add_argument("--kpipe-queues", default="", help="comma-separated max_queue_size values: a kpipe row at each, "
+                        "beside the default's (e.g. 4: the default before the deeper window for small batches)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be >= 1. Received: --workers {args.workers}")
     if args.epochs < 2:
         parser.error(f"--epochs must be >= 2 (the first is a warm-up). Received: --epochs {args.epochs}")
+    try:
+        queues = [int(q) for q in args.kpipe_queues.split(",") if q.strip()]
+    except ValueError:
+        queues = [0]
+    if any(q < 1 for q in queues):
+        parser.error(f"--kpipe-queues takes comma-separated integers >= 1. Received: {args.kpipe_queues!r}")
     specs = workloads(args.smoke)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not names or any(w not in specs for w in names):
@@ -444,7 +490,7 @@ def main(argv=None):
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     result = {"workers": args.workers, "epochs": args.epochs, "smoke": args.smoke, "rows": [], "skipped": []}
     for name in names:
-        measure(name, specs[name], args.workers, args.epochs, args.seed, result=result)
+        measure(name, specs[name], args.workers, args.epochs, args.seed, result=result, queues=queues)
         report(name, specs[name], result)
     if args.json:
         with open(args.json, "w") as f:

@@ -54,17 +54,22 @@ class Window:
             are kept here.
         max_queue_size: The most batches in flight.
         max_queue_bytes: Also bound the bytes in flight (None: batches only).
+        small_batches: `(base, max_bytes)`: more than `base` batches in flight (up to
+            max_queue_size) only while that many of the last batch take at most
+            `max_bytes` (see `ceiling`); None: up to max_queue_size whatever their size.
         workers: Workers loading (0: in the calling thread).
         next_key: `next_key(after)` -> the key to load next after the last queued one (or
             from `after` when the queue is empty; `_UNSET`: where reading goes on), or None.
         before_submit: `before_submit(key)`, called before a key is submitted.
     """
 
-    def __init__(self, position, stats, *, max_queue_size, max_queue_bytes, workers, next_key, before_submit):
+    def __init__(self, position, stats, *, max_queue_size, max_queue_bytes, workers, next_key, before_submit,
+                 small_batches=None):
         self.position = position
         self.stats = stats
         self.max_queue_size = max_queue_size
         self.max_queue_bytes = max_queue_bytes
+        self.small_batches = small_batches
         self.backend = None
         self.queue = collections.OrderedDict()  # key (pass, position) -> Entry, keys ascending
         self._next_key = next_key
@@ -87,10 +92,20 @@ class Window:
         self._idle_since = None
 
     # ------------------------------------------------------------------ contents
+    def ceiling(self):
+        """The most batches in flight the window may deepen to: max_queue_size, or with
+        `small_batches=(base, max_bytes)`, `base` until a batch is known, then as many of
+        the last batch as `max_bytes` hold, between `base` and max_queue_size."""
+        if self.small_batches is None:
+            return self.max_queue_size
+        base, max_bytes = self.small_batches
+        last = self.stats["last_batch_bytes"]
+        return max(base, min(self.max_queue_size, max_bytes // last)) if last else base
+
     def limit(self):
         """Batches to keep in flight now: the depth (in worker calls: `batches_per_call`),
-        within max_queue_size, and within max_queue_bytes if set."""
-        limit = self.depth
+        within the ceiling, and within max_queue_bytes if set."""
+        limit = min(self.depth, self.ceiling())
         if self.backend is not None:  # batches that share a worker call count as one towards the depth
             limit = min(self.max_queue_size, limit * self.backend.batches_per_call())
         last = self.stats["last_batch_bytes"]
@@ -242,10 +257,10 @@ class Window:
             return True
         backend = self.backend
         if self.in_flight() >= self.limit() and self._next_key(_UNSET) is not None:
-            if self.depth < self.max_queue_size and not backend.is_first_use(seq):
+            if self.depth < self.ceiling() and not backend.is_first_use(seq):
                 if deepen(idle_behind_s=self.idle_behind_s, slot_price_s=self.workers * backend.slot_setup_s(),
                           mean_batch_s=backend.mean_batch_s()):
-                    self.depth = min(self.max_queue_size, self.depth + self.workers)
+                    self.depth = min(self.ceiling(), self.depth + self.workers)
                     self.idle_behind_s = 0.0
                     self.fill()
                     return False
