@@ -386,16 +386,17 @@ def test_same_process_retry_ends_bit_identical(name, full_runs, tmp_path, no_lea
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_relaunched_process_ends_bit_identical(tmp_path):
+def test_relaunched_process_ends_bit_identical(tmp_path, full_runs):
+    # Crash in one fresh process, resume in another; the uninterrupted runs they must equal
+    # bit for bit are the module's (this process's), shared with the same-process retries.
     program = os.path.join(PROGRAMS, "resume_cases.py")
     for phase in ("first", "resume"):
         result = subprocess.run([sys.executable, program, "--dir", str(tmp_path), "--phase", phase],
                                 env={**os.environ, **ENV}, capture_output=True, text=True, timeout=240)
         assert result.returncode == 0, result.stderr[-3000:]
     for name, (_, save_freq, _, _) in resume_cases.CASES.items():
-        full = resume_cases.load(str(tmp_path / "full" / f"{name}.npz"))
         weights, rates = resume_cases.load(str(tmp_path / "resumed" / f"{name}.npz"))
-        _assert_resumed_like(full, weights, rates, 8 if save_freq == "epoch" else 10)
+        _assert_resumed_like(full_runs[name], weights, rates, 8 if save_freq == "epoch" else 10)
 
 
 def _unpositioned_input(kind):
