@@ -337,9 +337,12 @@ def _launch(out, *args, expect=0):
     from kpipe.distribute import launch
 
     command = [sys.executable, _PROGRAM, "--out", str(out), *args]
-    result = launch(command, workers=2, env=_ENV, output=io.StringIO(), timeout_s=180)
+    # A job whose worker dies: the other one, blocked in a collective, does not act on the
+    # launcher's SIGTERM and is SIGKILLed after grace_s (10 s of waiting by default).
+    grace = {} if expect == 0 else {"grace_s": 2.0}
+    result = launch(command, workers=2, env=_ENV, output=io.StringIO(), timeout_s=180, **grace)
     if result.returncode != expect and "address already in use" in "".join(result.tails).lower():
-        result = launch(command, workers=2, env=_ENV, output=io.StringIO(), timeout_s=180)
+        result = launch(command, workers=2, env=_ENV, output=io.StringIO(), timeout_s=180, **grace)
     assert result.returncode == expect, "\n".join([f"launch returned {result.returncode}"] + list(result.tails))
     return [_outputs.read(out, i)[0] for i in range(2)]
 
