@@ -34,11 +34,14 @@ class StockStrategyFailed(Exception):
 
 def _run(out_dir, *args, expect=0, timeout_s=240):
     command = [sys.executable, os.path.join(PROGRAMS, "mw_train.py"), "--out", str(out_dir), *args]
-    result = launch(command, workers=N_WORKERS, env=ENV, output=io.StringIO(), timeout_s=timeout_s)
+    # A job whose worker dies: the other one, blocked in a collective, does not act on the
+    # launcher's SIGTERM and is SIGKILLed after grace_s (10 s of waiting by default).
+    grace = {} if expect == 0 else {"grace_s": 2.0}
+    result = launch(command, workers=N_WORKERS, env=ENV, output=io.StringIO(), timeout_s=timeout_s, **grace)
     if result.returncode != expect and "address already in use" in "".join(result.tails).lower():
         # Another program took a port between free_ports() and the gRPC server's bind.
         result = launch(command, workers=N_WORKERS, env=ENV, output=io.StringIO(),
-                        timeout_s=timeout_s)
+                        timeout_s=timeout_s, **grace)
     assert result.returncode == expect, "\n".join(
         [f"launch returned {result.returncode}, expected {expect}"] + list(result.tails))
     return result

@@ -66,11 +66,16 @@ def test_fit_shuffles_batches_as_plain_keras_does_on_jax(tmp_path):
 
 
 def test_set_random_seed_fixes_orders_and_weights_in_fresh_processes(tmp_path):
-    runs = [_program(tmp_path / name, "--kpipe-only", *args) for name, args in
-            (("a", ["--seed", "7"]), ("b", ["--seed", "7"]), ("c", []), ("d", []))]
-    (a, wa), (b, wb), (c, _), (d, _) = runs
-    assert a["kpipe"] == b["kpipe"] and all(np.array_equal(wa[k], wb[k]) for k in wa)
-    assert c["kpipe"] != d["kpipe"] and c["kpipe"] != a["kpipe"]  # unseeded: each run its own orders
+    # Two fresh processes, each an unseeded run first (c, d: in a fresh process, as a program
+    # without set_random_seed runs), then set_random_seed(7) and a run on a new loader (a, b).
+    # (Two processes instead of four: TensorFlow's start-up is most of each one's time.)
+    runs = [_program(tmp_path / name, "--kpipe-only", "--then-seed", "7") for name in ("p", "q")]
+    (p, wp), (q, wq) = runs
+    a, b, c, d = p["kpipe_seeded"], q["kpipe_seeded"], p["kpipe"], q["kpipe"]
+    seeded = [k for k in wp if k.startswith("seeded/")]
+    assert len(seeded) == 2 and len(a) == 3 and all(sorted(e) == list(range(8)) for e in a)
+    assert a == b and all(np.array_equal(wp[k], wq[k]) for k in seeded)
+    assert c != d and c != a  # unseeded: each run its own orders
 
 
 def test_a_loader_seed_wins_over_keras_seed(no_leaks):

@@ -10,8 +10,10 @@ backups every `SAVE_FREQ` steps and stops after `CRASH_AT` steps; `resume` train
 (the same model object for a same-process retry, a new one after a relaunch). Each run
 returns its final weights and the learning rate each trained optimizer step applied.
 
-    python resume_cases.py --dir D --phase first    # full runs -> D/full, crashed runs -> D/backup
+    python resume_cases.py --dir D --phase first    # crashed runs -> D/backup
     python resume_cases.py --dir D --phase resume   # (a new process) resumed runs -> D/resumed
+
+(tests/test_backup.py compares the resumed runs with `full` run in its own process.)
 """
 
 import argparse
@@ -202,7 +204,6 @@ def main(argv=None):
     for name in CASES:
         backup_dir = os.path.join(args.dir, "backup", name)
         if args.phase == "first":
-            _save(os.path.join(args.dir, "full", name + ".npz"), *full(name))
             _, data, _ = crash(name, backup_dir)
             getattr(data, "close", lambda: None)()
         else:
