@@ -81,9 +81,15 @@ def test_dispatcher_and_two_workers_feed_fit(tmp_path, no_leaks):
                 proc.wait()
 
 
-def test_cli_rejects_bad_addresses():
-    proc = subprocess.run([sys.executable, "-m", "kpipe.cli", "data-service", "worker",
-                           "--dispatcher", "nohost"], env=ENV, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2
-    assert "Expected a tf.data service address like 127.0.0.1:5050. Received: 'nohost'" in proc.stderr
+def test_cli_rejects_bad_addresses_before_tensorflow_starts():
+    # (run as `python -m kpipe.cli`, with an exit hook telling whether TensorFlow was imported)
+    code = ("import atexit, sys; atexit.register(lambda: print('tensorflow imported:', 'tensorflow' in sys.modules)); "
+            "sys.argv[0] = 'kpipe'; from kpipe.cli import main; sys.exit(main(sys.argv[1:]))")
+    for args, message in ((["worker", "--dispatcher", "nohost"],
+                           "Expected a tf.data service address like 127.0.0.1:5050. Received: 'nohost'"),
+                          (["dispatcher", "--port", "70000"], "`port` must be an integer in [0, 65535]. Received: port=70000")):
+        proc = subprocess.run([sys.executable, "-c", code, "data-service", *args], env=ENV, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr
+        assert "tensorflow imported: False" in proc.stdout

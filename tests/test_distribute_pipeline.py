@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import shm_entries
+from conftest import orphaned_shm, shm_entries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -28,7 +28,7 @@ def report(tmp_path_factory):
                           env=ENV, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    result["_new_shm"] = sorted(shm_entries() - before)
+    result["_new_shm"] = sorted(orphaned_shm(shm_entries() - before))  # (entries no process uses: not another run's)
     return result
 
 

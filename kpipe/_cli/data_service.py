@@ -43,10 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs `kpipe data-service`; returns the exit code."""
     from kpipe._cli import _quiet
-
-    _quiet.quiet_tensorflow(getattr(args, "verbose", False))
     from kpipe.distribute import _data_service
 
+    try:  # the arguments first: a usage error costs no TensorFlow start-up
+        _data_service._check_port(args.port)
+        if args.role == "worker":
+            _data_service._strip_protocol(args.dispatcher)
+    except ValueError as e:
+        print(f"kpipe data-service: {e}", file=sys.stderr)
+        return 2
+    _quiet.quiet_tensorflow(getattr(args, "verbose", False))
     try:
         with _quiet.kpipe_warnings_as_lines("kpipe data-service"):
             server = _start(args, _data_service)
