@@ -165,14 +165,32 @@ class PackedImages:
         k = int(np.searchsorted(self._starts, j, side="right")) - 1
         i = j - int(self._starts[k])
         if self._pid != os.getpid():  # never use a handle opened in another process
+            self._close()
             self._open, self._pid = {}, os.getpid()
-        f = self._open.get(k)
-        if f is None:
-            import h5py
+        shard = self._open.get(k)
+        if shard is None:
+            shard = self._open[k] = _open_shard(self.files[k])
+        a, b = int(self._offsets[k][i]), int(self._offsets[k][i + 1])
+        fd, base, data = shard
+        if fd is not None:  # (see _open_shard: one pread, no h5py selection per image)
+            out = os.pread(fd, b - a, base + a)
+            if len(out) == b - a:
+                return out
+        return data[a:b].tobytes()
 
-            f = self._open[k] = h5py.File(self.files[k], "r")
-        a, b = self._offsets[k][i], self._offsets[k][i + 1]
-        return f["bytes"][a:b].tobytes()
+    def _close(self):
+        """Closes this process's shard files (those of another process are left to it)."""
+        if self._pid == os.getpid():
+            for fd, _, data in self._open.values():
+                if fd is not None:
+                    os.close(fd)
+                data.file.close()
+
+    def __del__(self):
+        try:
+            self._close()
+        except Exception:  # (interpreter shutdown: modules may be gone)
+            pass
 
     def __getitem__(self, j):
         j = int(j)
@@ -240,6 +258,22 @@ class PackedImages:
         if self._flips(rng):
             image = cv2.flip(image, 1)
         return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def _open_shard(path):
+    """Returns `(fd, offset, dataset)` of a shard's `bytes`: the dataset (h5py), and where it
+    is stored contiguous and unfiltered (as `pack` writes it), a plain file descriptor and the
+    data's offset in the file, so an image is one `os.pread` (h5py's selection machinery
+    costs ~0.15 ms per slice, a sixth of a small image's decode); fd None otherwise."""
+    import h5py
+
+    f = h5py.File(path, "r")
+    data = f["bytes"]
+    offset = data.id.get_offset()
+    plist = data.id.get_create_plist()
+    if offset is None or plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters() or f.driver != "sec2":
+        return None, 0, data
+    return os.open(path, os.O_RDONLY), offset, data
 
 
 def jpeg_size(data):
