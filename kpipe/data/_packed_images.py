@@ -196,8 +196,37 @@ class PackedImages:
         j = int(j)
         data = self.read(j)
         rng = np.random.default_rng((self.seed, self.epoch, j))
-        image = self._pil(data, rng) if self.decoder == "pil" else self._cv2(data, rng)
+        if self.decoder == "pil":
+            return np.asarray(self._pil(data, rng)), self.labels[j]
+        image = np.empty(self.image_size + (3,), np.uint8)
+        self._cv2(data, rng, image)
         return image, self.labels[j]
+
+    def kpipe_sample_into(self, j, out):
+        """Writes sample `j` into `out`, `(image, label)` arrays of one sample's shapes: the rows
+        of a batch's arrays, which `ProcessLoader.from_samples` gives (the batch's shared memory,
+        so the crop is resized straight into it with OpenCV: no per-sample array, no copy).
+
+        Args:
+            j: The sample's index.
+            out: `(image, label)`: a writable uint8 array of `image_size + (3,)` and an
+                int32 0-d array.
+
+        Raises:
+            ValueError: if `out` has another structure or shape.
+        """
+        j = int(j)
+        if not (isinstance(out, tuple) and len(out) == 2 and getattr(out[0], "shape", None) == self.image_size + (3,)):
+            raise ValueError(f"`out` must be (image, label) arrays, the image of shape {self.image_size + (3,)}. Received: "
+                             f"{type(out).__name__} of shapes {[getattr(v, 'shape', None) for v in out]}.")
+        image, label = out
+        data = self.read(j)
+        rng = np.random.default_rng((self.seed, self.epoch, j))
+        if self.decoder == "pil":
+            image[...] = self._pil(data, rng)
+        else:
+            self._cv2(data, rng, image)
+        label[...] = self.labels[j]
 
     def _flips(self, rng):
         """Draws the flip (after the window: the draws' order is part of the results)."""
@@ -233,31 +262,42 @@ class PackedImages:
             im = im.resize((out_w, out_h), Image.BILINEAR, box=(x * f, y * f, (x + w) * f, (y + h) * f))
         if self._flips(rng):  # a flipped copy, not a view with a negative stride (PyTorch refuses those)
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
-        return np.asarray(im)
+        return im
 
-    def _cv2(self, data, rng):
+    def _cv2(self, data, rng, out):
+        """Decodes, crops, resizes and flips into `out` (uint8, `image_size + (3,)`, C order)."""
         import cv2
 
         out_h, out_w = self.image_size
         buf = np.frombuffer(data, np.uint8)
         size = jpeg_size(data)
-        if size is None:  # not a JPEG we can read the header of: decode whole
-            image = cv2.imdecode(buf, cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
-            size, r = (image.shape[1], image.shape[0]), 1
-            x, y, w, h = self.window(size[0], size[1], rng)
-        else:
+        r = 1
+        if size is not None:
             x, y, w, h = self.window(size[0], size[1], rng)
             r = next((r for r in _DCT_RATIOS if w >= r * out_w and h >= r * out_h), 1)
-            flag = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
-                    8: cv2.IMREAD_REDUCED_COLOR_8}[r]
-            image = cv2.imdecode(buf, flag | cv2.IMREAD_IGNORE_ORIENTATION)  # stored order, as PIL and TF
+        flags, rgb = _cv2_flags(cv2, r)
+        image = cv2.imdecode(buf, flags)  # stored orientation, as PIL and TF
         if image is None:
             raise ValueError(f"OpenCV cannot decode a packed image of {len(data)} bytes.")
+        if size is None:  # not a JPEG we can read the header of: decoded whole
+            x, y, w, h = self.window(image.shape[1], image.shape[0], rng)
         image = image[y // r:max(y // r + 1, (y + h) // r), x // r:max(x // r + 1, (x + w) // r)]
-        image = cv2.resize(image, (out_w, out_h), interpolation=cv2.INTER_LINEAR)
+        cv2.resize(image, (out_w, out_h), dst=out, interpolation=cv2.INTER_LINEAR)  # (in place: `out` fits)
         if self._flips(rng):
-            image = cv2.flip(image, 1)
-        return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+            cv2.flip(out, 1, dst=out)
+        if not rgb:
+            cv2.cvtColor(out, cv2.COLOR_BGR2RGB, dst=out)
+
+
+def _cv2_flags(cv2, r):
+    """Returns `(flags, rgb)`: `cv2.imdecode`'s flags for 3 channels at 1/r scale in the stored
+    orientation, and whether they decode to RGB (IMREAD_COLOR_RGB, OpenCV >= 4.11; BGR before)."""
+    flag = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
+            8: cv2.IMREAD_REDUCED_COLOR_8}[r]
+    rgb = hasattr(cv2, "IMREAD_COLOR_RGB")
+    if rgb:  # (the reduced flags include IMREAD_COLOR, which OpenCV refuses beside IMREAD_COLOR_RGB)
+        flag = (flag & ~cv2.IMREAD_COLOR) | cv2.IMREAD_COLOR_RGB
+    return flag | cv2.IMREAD_IGNORE_ORIENTATION, rgb
 
 
 def _open_shard(path):
