@@ -65,7 +65,7 @@ import warnings
 
 import numpy as np
 
-from kpipe import _args, _buckets, _padding
+from kpipe import _args, _buckets, _padding, _samples_into
 from kpipe._engine import _alloc, _tree
 from kpipe.errors import BatchStructureError
 
@@ -206,6 +206,10 @@ class SampleBatches:
         for out, leaf in zip(batch, leaves):
             out[0] = leaf
         first = leaves = leaf = None
+        into = _samples_into.hook(self.dataset)
+        if into is not None:  # (the dataset writes each sample into its row: kpipe/_samples_into.py)
+            _samples_into.fill(into, treedef, batch, samples)
+            return _tree.unflatten(treedef, batch)
         leaves_of = _leaves_of(treedef)
         rows = [(path, out, out.shape[1:], out.dtype) for path, out in zip(paths, batch)]
         for row in range(1, len(samples)):

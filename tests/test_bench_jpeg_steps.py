@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "bench_jpeg_steps.py")
-STEPS = ["keras", "map", "map+ignore", "source", "pipeline", "ref-rrc", "decoder-rrc", "source-rrc", "pipeline-rrc"]
+STEPS = ["keras", "map", "map+ignore", "source", "source-skip", "pipeline", "ref-rrc", "decoder-rrc", "source-rrc", "pipeline-rrc"]
 
 
 @pytest.mark.slow

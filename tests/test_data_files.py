@@ -185,3 +185,48 @@ def test_unreadable_file_is_named(folder):
     bad.chmod(0)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"dog/locked\.png"):
         list(kpipe.data.from_files(folder, image_size=(4, 4)).as_numpy_iterator())
+
+
+def test_raise_names_the_file_after_the_pass_s_good_samples(folder):
+    (folder / "cat" / "0-first.png").write_bytes(b"not a png")  # storage order: the first file
+    got = []
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"cannot read or decode image file.*cat/0-first\.png"):
+        for sample in kpipe.data.from_files(folder, image_size=(4, 4)).as_numpy_iterator():
+            got.append(sample)
+    assert len(got) == sum(PER_CLASS.values())  # every good sample came first (see _decoded.py's NOTE)
+
+
+def test_a_pass_without_failures_never_reads_the_naming_pass(folder, monkeypatch):
+    import kpipe.data._files as files
+
+    def tripwire(n, read, name_of, channels, blank, what):
+        def fail(_):
+            check = tf.debugging.Assert(False, ["tripwire: the naming pass was read"])
+            with tf.control_dependencies([check]):
+                return tuple(tf.identity(t) for t in blank)
+        return tf.data.Dataset.from_tensors(tf.constant(0)).map(fail)
+
+    monkeypatch.setattr(files, "named", tripwire)
+    for crop, shuffle in ((None, None), ("random", 8)):
+        ds = kpipe.data.pipeline(kpipe.data.from_files(folder, image_size=(4, 4), crop=crop, seed=0), batch_size=5,
+                                 shuffle=shuffle, seed=1)
+        for _ in range(2):
+            assert sum(len(y) for _, y in ds.as_numpy_iterator()) == sum(PER_CLASS.values())
+    (folder / "dog" / "broken.png").write_bytes(b"nope")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="tripwire: the naming pass was read"):
+        list(kpipe.data.from_files(folder, image_size=(4, 4)).as_numpy_iterator())
+
+
+def test_naming_pass_names_the_first_bad_file_or_says_the_failure_did_not_repeat(folder):
+    from kpipe.data._decoded import named
+
+    names = tf.constant(["a.png", "b.png", "c.png"])
+    good, bad = _png(1), b"not an image"
+    blank = (tf.zeros([4, 4, 3]), tf.constant(0, tf.int32))
+    for files, message in (((good, bad, bad), r"cannot read or decode image file.*b\.png"),
+                           ((good, good, good), "every file reads and decodes now")):
+        data = tf.constant(list(files))
+        ds = named(3, lambda j: data[j], lambda j: names[j], 3, blank, "kpipe.data.from_files")
+        assert ds.element_spec == tuple(tf.TensorSpec.from_tensor(t) for t in blank)
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            list(ds.as_numpy_iterator())

@@ -97,6 +97,27 @@ def test_bad_arguments_name_themselves(shards, tmp_path):
         kpipe.data.PackedImages(shards)[12]
 
 
+@pytest.mark.parametrize("decoder", ["pil", "cv2"])
+def test_sample_into_writes_what_getitem_returns(shards, decoder):
+    for crop in ("random", "center", None):
+        images = kpipe.data.PackedImages(shards, image_size=(20, 24), crop=crop, flip=True, seed=5, decoder=decoder)
+        out = (np.full((20, 24, 3), 7, np.uint8), np.full((), -1, np.int32))
+        for j in range(12):  # (image 0 and 6 are large: reduced decoding; about half are flipped)
+            images.kpipe_sample_into(j, out)
+            image, label = images[j]
+            np.testing.assert_array_equal(out[0], image)
+            assert out[1] == label == images.labels[j]
+    with pytest.raises(ValueError, match=r"`out` must be \(image, label\) arrays, the image of shape \(20, 24, 3\)"):
+        images.kpipe_sample_into(0, (np.zeros((24, 20, 3), np.uint8), np.zeros((), np.int32)))
+
+
+def test_cv2_names_an_image_it_cannot_decode(shards):
+    images = kpipe.data.PackedImages(shards, image_size=(8, 8), decoder="cv2", seed=0)
+    images.read = lambda j: b"\xff\xd8 not a JPEG"
+    with pytest.raises(ValueError, match="OpenCV cannot decode a packed image of 13 bytes"):
+        images[0]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("decoder", ["pil", "cv2"])
 def test_process_loader_reads_the_shards_in_workers(shards, decoder):
@@ -123,6 +144,9 @@ def test_workers_do_not_import_tensorflow(shards):
         "class Seen(kpipe.data.PackedImages):\n"
         "    def __getitem__(self, j):\n"
         "        return super().__getitem__(j)[0], np.int32('tensorflow' in sys.modules)\n"
+        "    def kpipe_sample_into(self, j, out):\n"
+        "        super().kpipe_sample_into(j, out)\n"
+        "        out[1][...] = 'tensorflow' in sys.modules\n"
         f"images = Seen({shards!r}, image_size=(8, 8), decoder='cv2', seed=0)\n"
         "with kpipe.ProcessLoader.from_samples(images, 4, workers=1) as loader:\n"
         "    x, y = loader[0]\n"

@@ -10,18 +10,32 @@ say which file it was reading. So each epoch is built as
     positions (position, sample id, key) for 0..n-1: storage order, or a permutation drawn
               from key -- the only part made per epoch (a flat_map; the maps after it are
               built once: a decoder with control flow instantiated per epoch costs ~100 ms)
-    load      -> (position, key, image, label), AUTOTUNE-parallel, in order
+    load      AUTOTUNE-parallel, in order
     drop      `ignore_errors()`: a sample whose read or decode failed is simply missing
-    check     a scan over the positions that come out (plus a sentinel n at the end): a gap
-              at position p is the sample at p, named from the order (recomputed from the
-              key, only then); "raise" fails there with its name, "skip" prints it with the
-              count so far and goes on
 
-("raise": then `take(n)`, so the sentinel is read only when a sample is missing; "skip":
-a filter drops it). The chain costs ~0.15 ms of CPU a 224x224 image on the jpeg workload
-(500x375 JPEGs, ~1 ms to decode and resize), mostly because tf.data no longer fuses the
-decoding map with the batch step (~75 us a 224x224x3 float image alone), and much less
-than one small dataset per file with its own `ignore_errors`, what `from_files` did before.
+and then, with `on_error="raise"` (the default: `named`),
+
+    fast      load gives `(image, label)` only, and the pass is
+              `load.ignore_errors().concatenate(named).take(n)`: n good samples end the pass
+              before `named` is read, so a pass without a failure costs what a bare
+              `map(load)` does -- no function runs per sample after the decoding map
+    named     read only when a sample is missing (the pass ran short): it reads and decodes
+              every file whole, in storage order, through the checked chain below, and fails
+              naming the first that fails (a file that failed a crop's decode fails whole
+              too); if every file decodes now, it fails saying the failure did not repeat
+
+so the error comes at the end of the pass, after its good samples, not where the file was.
+With `on_error="skip"` each pass goes through the checked chain itself:
+
+    check     load gives `(position, key, image, label)`; a scan over the positions that
+              come out (plus a sentinel n at the end): a gap at position p is the sample at
+              p, named from the order (recomputed from the key, only then); "raise" fails
+              there with its name, "skip" prints it with the count so far and goes on
+
+The checked chain costs ~0.1 ms of CPU a 224x224 image on the jpeg workload (500x375
+JPEGs, ~1.1 ms to decode and resize): a function call per sample after the decoding map
+(the scan) and the position carried through it. The fast pass measured within noise of a
+bare `map` and of Keras's own function (scripts/bench_jpeg_steps.py: "source" vs "map").
 """
 
 import sys
@@ -138,3 +152,43 @@ def checked(loaded, n, name_of, on_error, blank, what, in_order=False):
         # (and then fails the check): `take` is cheaper than a filter on every sample.
         return ds.take(n)
     return ds.filter(lambda position, image, label: position < n).map(lambda position, image, label: (image, label))
+
+
+def named(n, read, name_of, channels, blank, what):
+    """Returns the dataset a fast "raise" pass reads only when it lost a sample (see the NOTE):
+    it yields nothing, and fails naming the first of the n samples (storage order) that cannot
+    be read and decoded whole, or, if all can now, saying the failure did not repeat.
+
+    Args:
+        n: Number of samples.
+        read: Function of a sample id (int64 scalar tensor) -> its encoded bytes.
+        name_of: Function of a sample id -> its name (string tensor).
+        channels: Channels to decode to.
+        blank: An `(image, label)` with the fast pass's element spec (never yielded).
+        what: The source, for messages, e.g. "kpipe.data.from_files".
+    """
+    import tensorflow as tf
+
+    def probe(position, j, key):
+        image = tf.io.decode_image(read(j), channels=channels, expand_animations=False)
+        return position, key, tf.shape(image), tf.constant(0, tf.int32)
+
+    ds = positions(n, None, False, False).map(probe, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = checked(ds.ignore_errors(), n, lambda position, key: name_of(position), "raise",
+                 (tf.zeros([3], tf.int32), tf.constant(0, tf.int32)), what, in_order=True)
+
+    def did_not_repeat(_):
+        check = tf.debugging.Assert(False, [
+            f"{what}: an image file failed to read or decode in this pass, but every file reads and decodes "
+            "now (a transient read error?). Iterate again, or pass on_error='skip' to skip such files."])
+        with tf.control_dependencies([check]):
+            return tuple(tf.identity(t) for t in blank)
+
+    def nothing(shape, label):
+        return False
+
+    def as_blank(shape, label):
+        return blank
+
+    ds = ds.filter(nothing).map(as_blank)
+    return ds.concatenate(tf.data.Dataset.from_tensors(tf.constant(0)).map(did_not_repeat))

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 
-from kpipe.data._decoded import checked, order, positions, sample_seed
+from kpipe.data._decoded import checked, named, order, positions, sample_seed
 from kpipe.data._jpeg import Decoder, check_augment_args
 from kpipe.data._sharding import resolve_shard
 from kpipe.data._source import Source, attach
@@ -63,8 +63,10 @@ def from_files(
         extensions: File name endings that count as images (case-insensitive). Defaults to
             (".jpg", ".jpeg", ".png", ".bmp", ".gif").
         on_error: What to do with a file that cannot be read or decoded: "raise" fails the
-            iteration with an error naming the file; "skip" drops it and prints its name with
-            the number skipped so far in this pass to stderr. Defaults to "raise".
+            iteration with an error naming the file, at the end of the pass (after its good
+            samples: a pass without a failure then costs nothing for the naming); "skip" drops
+            it and prints its name with the number skipped so far in this pass to stderr.
+            Defaults to "raise".
         crop: None (resize the whole image), "random" (random-resized crop) or "center"
             (central square of `center_fraction` of the shorter side). Defaults to None.
         scale: With `crop="random"`, the range of the crop's area as a fraction of the
@@ -90,8 +92,9 @@ def from_files(
     Raises:
         FileNotFoundError: if `directory` or a folder in `class_names` does not exist.
         ValueError: if there are no class folders or no images, or an argument is invalid.
-        tf.errors.InvalidArgumentError: while iterating, for an undecodable file with
-            `on_error="raise"`; the message names the file.
+        tf.errors.InvalidArgumentError: while iterating, at the end of a pass in which a file
+            failed with `on_error="raise"`; the message names the file (the first, in storage
+            order, that fails to read or decode).
 
     Example:
 
@@ -227,11 +230,24 @@ class _FileSource(Source):
             data = tf.io.read_file(paths[j])
             return position, key, decoder(data, sample_seed(key, ids[j]) if decoder.random else None), labels[j]
 
-        # see NOTE [ Naming the file that failed ] in _decoded.py
+        if self.on_error == "raise":
+            # see NOTE [ Naming the file that failed ] in _decoded.py: a pass of n good samples
+            # never reads `named`; a failed one is named after the pass by a second look
+            def fast(position, j, key):
+                return load(position, j, key)[2:]
+
+            def read(j):
+                return tf.io.read_file(paths[j])
+
+            def name_of(j):
+                return paths[j]
+
+            ds = positions(n, seed, shuffle, decoder.random)
+            ds = ds.map(fast, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
+            ds = ds.concatenate(named(n, read, name_of, decoder.channels, (decoder.blank(), tf.constant(0, tf.int32)),
+                                      "kpipe.data.from_files"))
+            return ds.take(n).apply(tf.data.experimental.assert_cardinality(n))
         ds = positions(n, seed, shuffle, decoder.random)
         ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
-        ds = checked(ds, n, lambda position, key: paths[order(n, key, shuffle)[position]], self.on_error,
-                     (decoder.blank(), tf.constant(0, tf.int32)), "kpipe.data.from_files", in_order=not shuffle)
-        if self.on_error == "raise":
-            ds = ds.apply(tf.data.experimental.assert_cardinality(n))
-        return ds
+        return checked(ds, n, lambda position, key: paths[order(n, key, shuffle)[position]], self.on_error,
+                       (decoder.blank(), tf.constant(0, tf.int32)), "kpipe.data.from_files", in_order=not shuffle)
