@@ -65,7 +65,7 @@ class _JaxPlacement:
         if not self.put:
             return data
         return tree.map_structure(
-            lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, data, none_is_leaf=False
+            lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, data
         )
 
 

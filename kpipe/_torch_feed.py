@@ -50,7 +50,7 @@ def _tensors(batch):
     import torch
     from keras.src import tree
 
-    return tree.map_structure(lambda x: torch.from_numpy(x) if wrappable(x) else x, batch, none_is_leaf=False)
+    return tree.map_structure(lambda x: torch.from_numpy(x) if wrappable(x) else x, batch)
 
 
 def _copier():

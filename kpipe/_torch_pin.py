@@ -269,7 +269,7 @@ class _Worker:
                 return _Slot(len(picked) - 1)
             return x
 
-        skeleton = tree.map_structure(mark, batch, none_is_leaf=False)
+        skeleton = tree.map_structure(mark, batch)
         if not picked:
             return skeleton, [], None
         places, nbytes = _places(picked)
@@ -280,7 +280,7 @@ class _Worker:
         self.flight.append([event, buffer, batch])  # the slot's lease, until the copy completed
         del batch
         self.reclaim()
-        out = tree.map_structure(lambda x: leaves[x.i] if isinstance(x, _Slot) else x, skeleton, none_is_leaf=False)
+        out = tree.map_structure(lambda x: leaves[x.i] if isinstance(x, _Slot) else x, skeleton)
         return out, leaves, event
 
     def reclaim(self):

@@ -156,11 +156,23 @@ def shm_entries():
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def orphaned_shm(names):
+def orphaned_shm(names, settle_s=5.0):
     """Those of the /dev/shm entries `names` still there that no live process maps or holds
     open: what a test left behind. An entry some process uses is that process's (a run of
     other tests beside this one creates and removes its own; a child of this test that
-    lives on is caught by the process checks)."""
+    lives on is caught by the process checks). An entry of another run may also be seen
+    between its process letting go of it and its removal (multiprocessing's semaphores,
+    unlinked by a resource tracker a moment after): an orphan counts only if it is still
+    there after `settle_s` (a deadline, not a timing: a leak stays)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        orphans = _orphaned_now(names)
+        if not orphans or time.monotonic() > deadline:
+            return orphans
+        time.sleep(0.2)
+
+
+def _orphaned_now(names):
     names = {n for n in names if os.path.exists(os.path.join("/dev/shm", n))}
     if not names:
         return set()

@@ -444,10 +444,11 @@ def test_worker_dead_between_batches_makes_on_epoch_end_raise_worker_died(start_
 
 def test_no_leaks_counts_a_dev_shm_entry_no_process_uses_not_one_another_process_maps():
     import mmap
+    import threading
 
     from conftest import orphaned_shm
 
-    names = [f"kpipe-test-{os.getpid()}-{what}" for what in ("held", "orphan")]
+    names = [f"kpipe-test-{os.getpid()}-{what}" for what in ("held", "orphan", "transient")]
     maps = []
     for name in names:
         fd = os.open(os.path.join("/dev/shm", name), os.O_CREAT | os.O_RDWR, 0o600)
@@ -455,10 +456,15 @@ def test_no_leaks_counts_a_dev_shm_entry_no_process_uses_not_one_another_process
         if name.endswith("held"):
             maps.append(mmap.mmap(fd, 4096))  # mapped by this process: in use
         os.close(fd)  # the orphan: unmapped, never unlinked -- what a leak leaves
+    # the transient one: unmapped, then removed a moment later (another run's semaphore,
+    # unlinked by its resource tracker): not a leak
+    remover = threading.Timer(0.5, os.unlink, [os.path.join("/dev/shm", names[2])])
+    remover.start()
     try:
-        assert orphaned_shm(set(names) | {"no-such-entry"}) == {names[1]}
+        assert orphaned_shm(set(names) | {"no-such-entry"}, settle_s=3.0) == {names[1]}
     finally:
+        remover.join()
         for m in maps:
             m.close()
-        for name in names:
+        for name in names[:2]:
             os.unlink(os.path.join("/dev/shm", name))
