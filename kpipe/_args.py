@@ -156,11 +156,10 @@ SMALL_BATCH_QUEUE_BYTES = 32 << 20
 def small_batch_queue(dataset, max_queue_size, workers, *, use_threads, remote, autoscale):
     """`(max_queue_size, (base, max_bytes))` of a `from_samples` loader left at the default
     `max_queue_size` (`dataset.default_queue`; `max_queue_size`: that default, `max(4, 2 *
-    workers)`): with worker
-    processes, up to `SMALL_BATCH_QUEUE` batches in flight where `SMALL_BATCH_QUEUE_BYTES`
-    hold that many of the last batch, never fewer than the default (`base`); `(max_queue_size,
-    None)` (no change) with threads, `workers=0`, `"auto"` or Ray actors, which keep their
-    own defaults.
+    workers)`): with worker processes, up to `SMALL_BATCH_QUEUE` batches in flight where
+    `SMALL_BATCH_QUEUE_BYTES` hold that many of the last batch, never fewer than the default
+    (`base`); `(max_queue_size, None)` (no change) with threads, `workers=0`, `"auto"` or Ray
+    actors, which keep their own defaults.
 
     Small batches hand over in a fraction of a millisecond of worker time, so a window of
     two per worker leaves workers idle while the consumer waits for a batch of a longer
