@@ -40,7 +40,8 @@ CPU ms/image is the CPU time of the row's process and all its children (live wor
 through psutil, joined ones through rusage) over the timed epoch, per image.
 
 Open/list cost: listing the folder and opening+reading every file, against opening the
-pack's shards and reading every image's bytes, in this process (page cache warm).
+pack's shards (their index) and reading every image's bytes as PackedImages does (one
+`os.pread` each), in this process (page cache warm).
 """
 
 import json
@@ -307,8 +308,9 @@ def run_row(row, ctx):
 
 
 def _open_costs(folder, shards):
-    """Seconds to list the folder and read every file, and to open every shard and read every image."""
-    import h5py
+    """Seconds to list the folder and read every file, and to open every shard (its index)
+    and read every image's bytes as PackedImages does (one os.pread each)."""
+    import kpipe.data
 
     t = time.perf_counter()
     paths, _ = _files(folder)
@@ -318,10 +320,9 @@ def _open_costs(folder, shards):
             f.read()
     files_s = time.perf_counter() - t
     t = time.perf_counter()
-    for s in shards:
-        with h5py.File(s, "r") as f:
-            blob, off = f["bytes"][:].tobytes(), f["offsets"][:]
-            [blob[a:b] for a, b in zip(off[:-1], off[1:])]
+    images = kpipe.data.PackedImages(shards)
+    for j in range(len(images)):
+        images.read(j)
     return listed, files_s, time.perf_counter() - t
 
 
@@ -379,12 +380,14 @@ def run(args, workers, repeats, quick):
                 got = json.loads(line[4:])
                 print(f"  round {round_ + 1} jpeg/{row}: {got['rate']:.0f} images/s"
                       + (f", {got['cpu_ms']:.2f} CPU ms/image" if got["cpu_ms"] else ""), flush=True)
-                had = best.setdefault(row, {"rate": 0.0, "cpu_ms": None})
+                had = best.setdefault(row, {"rate": 0.0, "cpu_ms": None, "rounds": []})
+                had["rounds"].append(got["rate"])
                 had["rate"] = max(had["rate"], got["rate"])
                 if got["cpu_ms"] is not None:
                     had["cpu_ms"] = got["cpu_ms"] if had["cpu_ms"] is None else min(had["cpu_ms"], got["cpu_ms"])
         for row in rows:
             out.append({"workload": "jpeg", "loader": row, "rate": best[row]["rate"], "cpu_ms": best[row]["cpu_ms"],
+                        "round_rates": best[row]["rounds"],
                         "images": n, "photo": photo, "open_list_s": {"list": listed, "files": files_s, "shards": shards_s}})
     return out, skipped
 
@@ -417,6 +420,13 @@ _FOLDER_RRC = ("tfdata-rrc", "kpipe-rrc", "kpipe-samples-pil", "torch", "grain",
 _PACKED_RRC = ("kpipe-rrc-packed-256", "kpipe-packed-pil", "kpipe-packed-cv2", "kpipe-packed-sj")
 
 
+def _paired(row, of):
+    """The median over rounds of `row`'s images/s / `of`'s in the same round (the machine's
+    load moves between rounds more than between two rows of one round), or None."""
+    a, b = row.get("round_rates") or [], of.get("round_rates") or []
+    return float(np.median([x / y for x, y in zip(a, b)])) if a and len(a) == len(b) else None
+
+
 def print_rows(rows, workers, repeats):
     """Prints the jpeg rows and their ratios (wall-clock images/s; CPU ms/image, workers included)."""
     import _bench
@@ -425,7 +435,7 @@ def print_rows(rows, workers, repeats):
     if not by:
         return
     print(f"\njpeg workload: 224x224 output, batch {BATCH}, workers {workers}, best of {repeats} rounds of 3 epochs "
-          "after 1 untimed, each row in a fresh process")
+          "after 1 untimed, each row in a fresh process (paired: median over rounds of the ratio within a round)")
     _bench.print_table((("loader", "<22", ""), ("images/s", ">10", ".0f"), ("CPU ms/image", ">14", ".2f")),
                        [(k, r["rate"], r["cpu_ms"]) for k, r in by.items()])
     for row, of, target in _RATIOS:
@@ -433,7 +443,9 @@ def print_rows(rows, workers, repeats):
             ratio = by[row]["rate"] / by[of]["rate"]
             cpu = (by[of]["cpu_ms"] / by[row]["cpu_ms"]) if by[row]["cpu_ms"] and by[of]["cpu_ms"] else None
             verdict = "" if target is None else (" PASS" if ratio >= target else " MISS") + f" (target >= {target}x)"
-            print(f"  {row} / {of}: {ratio:.2f}x images/s" + (f", {cpu:.2f}x by CPU time per image" if cpu else "") + verdict)
+            paired = _paired(by[row], by[of])
+            print(f"  {row} / {of}: {ratio:.2f}x images/s" + (f" (paired {paired:.2f}x)" if paired else "")
+                  + (f", {cpu:.2f}x by CPU time per image" if cpu else "") + verdict)
     folder = max((r for r in _FOLDER_RRC if r in by), key=lambda r: by[r]["rate"], default=None)
     packed = max((r for r in _PACKED_RRC if r in by), key=lambda r: by[r]["rate"], default=None)
     if folder and packed:
