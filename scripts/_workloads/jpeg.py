@@ -32,6 +32,9 @@ load of other processes on the machine disturbs less than the wall clock):
                      .repeat().batch(128).to_iter_dataset().mp_prefetch(num_workers=--workers),
                      one iterator for every epoch (its workers start once); timed over all its
                      timed epochs as one span (its workers run on across epoch ends)
+  grain-loader-packed  the same through grain.DataLoader(data_source=images, sampler=
+                     IndexSampler(shuffle=True, num_epochs=None, seed=0), operations=[Batch(128)],
+                     worker_count=--workers), timed the same way
   kpipe-files-sj     ProcessLoader.from_samples over FolderImages: PackedImages's code
                      (decoder="simplejpeg") reading each image from the folder's file instead of
                      the pack: the same loader and augmentation over the two storages
@@ -62,13 +65,13 @@ BATCH = 128
 ROWS = ("keras-idf", "kpipe-files", "kpipe-packed", "kpipe-packed-256", "tfdata-rrc", "kpipe-rrc", "kpipe-rrc-packed-256",
         "pil-bare", "kpipe-samples-pil", "torch", "grain", "packed-pil-bare", "kpipe-packed-pil", "torch-packed",
         "packed-cv2-bare", "kpipe-packed-cv2", "torch-packed-cv2", "packed-sj-bare", "kpipe-packed-sj", "torch-packed-sj",
-        "grain-packed", "kpipe-files-sj")
+        "grain-packed", "grain-loader-packed", "kpipe-files-sj")
 _PEERS = {"torch": ("torch",), "grain": ("grain",), "torch-packed": ("torch",), "torch-packed-cv2": ("torch",),
           "packed-sj-bare": ("simplejpeg",), "kpipe-packed-sj": ("simplejpeg",), "torch-packed-sj": ("torch", "simplejpeg"),
-          "grain-packed": ("grain",), "kpipe-files-sj": ("simplejpeg",)}
+          "grain-packed": ("grain",), "grain-loader-packed": ("grain",), "kpipe-files-sj": ("simplejpeg",)}
 _SAMPLE_ROWS = ("pil-bare", "kpipe-samples-pil", "torch", "grain", "packed-pil-bare", "kpipe-packed-pil", "torch-packed",
                 "packed-cv2-bare", "kpipe-packed-cv2", "torch-packed-cv2", "packed-sj-bare", "kpipe-packed-sj",
-                "torch-packed-sj", "grain-packed", "kpipe-files-sj")
+                "torch-packed-sj", "grain-packed", "grain-loader-packed", "kpipe-files-sj")
 
 
 def add_arguments(parser):
@@ -288,8 +291,14 @@ def run_row(row, ctx):
         import grain
 
         # one iterator over repeated epochs (its workers start once, as the others' persist)
-        ds = grain.MapDataset.source(records).shuffle(seed=0).repeat().batch(BATCH).to_iter_dataset()
-        it = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)))
+        if row == "grain-loader-packed":
+            sampler = grain.samplers.IndexSampler(num_records=len(records), shard_options=grain.sharding.NoSharding(),
+                                                  shuffle=True, num_epochs=None, seed=0)
+            it = iter(grain.DataLoader(data_source=records, sampler=sampler, operations=[grain.transforms.Batch(batch_size=BATCH)],
+                                       worker_count=workers))
+        else:
+            ds = grain.MapDataset.source(records).shuffle(seed=0).repeat().batch(BATCH).to_iter_dataset()
+            it = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)))
         per_epoch = -(-len(records) // BATCH)
         # timed as one span of the timed epochs: its workers run ahead across epochs (one
         # batch each), which a best single epoch would count as free
@@ -397,7 +406,6 @@ _RATIOS = (  # (row, of row, the issue's target)
     ("kpipe-rrc", "tfdata-rrc", 1.0),
     ("kpipe-packed-256", "kpipe-files", 2.0),
     ("kpipe-packed", "kpipe-files", None),
-    ("kpipe-rrc-packed-256", "kpipe-rrc", None),
     ("kpipe-samples-pil", "pil-bare", 0.95),
     ("kpipe-samples-pil", "torch", 1.2),
     ("kpipe-packed-pil", "packed-pil-bare", 0.95),
@@ -410,6 +418,7 @@ _RATIOS = (  # (row, of row, the issue's target)
     ("kpipe-packed-sj", "kpipe-packed-pil", None),
     ("kpipe-packed-sj", "kpipe-packed-cv2", None),
     ("kpipe-packed-pil", "grain-packed", None),
+    ("kpipe-packed-pil", "grain-loader-packed", None),
     # packed at max side 256 against the folder: the same loader and augmentation, two storages
     ("kpipe-rrc-packed-256", "kpipe-rrc", 2.0),
     ("kpipe-packed-pil", "kpipe-samples-pil", 2.0),
