@@ -33,9 +33,10 @@ Workloads (issue #2):
            count below 0.8x workers=1) as PASS/MISS lines
   jpeg     (not in the default set; issue #45) a folder of JPEG photos decoded to 224x224:
            Keras's image_dataset_from_directory, kpipe.data.from_files / from_packed, the
-           hand-written tf.data random-resized crop, the fused one, and a per-sample PIL
-           decoder in bare processes and in ProcessLoader.from_samples, each row in a fresh
-           process; its file, rows and options (--jpeg-images, --jpeg-rows) are in
+           hand-written tf.data random-resized crop, the fused one, and per-sample decoders
+           (PIL, OpenCV, simplejpeg: kpipe.data.PackedImages over the pack and the folder) in
+           bare processes, ProcessLoader.from_samples, PyTorch's DataLoader and Grain, each row
+           in a fresh process; its file, rows and options (--jpeg-images, --jpeg-rows) are in
            scripts/_workloads/jpeg.py, behind the registry of scripts/_workloads/
 
 "kpipe-samples" is `kpipe.ProcessLoader.from_samples(records, batch_size, shuffle=...)` on

@@ -404,3 +404,24 @@ def test_bench_loaders_jpeg_packed_per_sample_rows(tmp_path):
         assert "skipped jpeg/torch-packed: torch is not installed" in out
     else:
         assert "kpipe-packed-pil / torch-packed:" in out and "kpipe-packed-cv2 / torch-packed-cv2:" in out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_bench_loaders_jpeg_simplejpeg_grain_and_storage_rows(tmp_path):
+    rows = "kpipe-samples-pil,kpipe-packed-pil,grain-packed,kpipe-files-sj,packed-sj-bare,kpipe-packed-sj"
+    out, result = _run(tmp_path, "--workloads", "jpeg", "--jpeg-rows", rows, "--rss-epochs", "0", timeout=580)
+    got = {r["loader"]: r for r in result["rows"] if r["workload"] == "jpeg"}
+    skipped = {row for row in rows.split(",") if f"jpeg/{row}" in result["skipped"]}
+    assert skipped <= {"grain-packed", "kpipe-files-sj", "packed-sj-bare", "kpipe-packed-sj"}  # (peers not installed)
+    assert set(got) == set(rows.split(",")) - skipped
+    assert all(r["rate"] > 0 and r["images"] == 64 and r["cpu_ms"] > 0 for r in got.values())
+    assert "kpipe-packed-pil / kpipe-samples-pil:" in out and "(target >= 2.0x)" in out  # the same PIL code, two storages
+    assert "best packed-256 path kpipe-packed-" in out
+    if "kpipe-packed-sj" in skipped:
+        assert "skipped jpeg/kpipe-packed-sj: simplejpeg is not installed" in out
+    else:
+        assert "kpipe-packed-sj / packed-sj-bare:" in out and "kpipe-packed-sj / kpipe-files-sj:" in out
+    if "grain-packed" not in skipped:
+        assert "kpipe-packed-pil / grain-packed:" in out

@@ -18,8 +18,14 @@ and flipped with PIL or OpenCV in the calling process, with no TensorFlow anywhe
               `use_image_if_no_bounding_boxes`), or the center crop of `center_fraction`
     decode    at a reduced scale in the DCT domain when the window is >= 2x the output:
               PIL's draft mode (the largest 1/2..1/8 scale keeping the window >= the
-              output), OpenCV's `IMREAD_REDUCED_COLOR_2/4/8` (the same rule as `from_packed`)
-    resize    bilinear, only the window (PIL's `resize(box=...)`; OpenCV slices, then resizes)
+              output), OpenCV's `IMREAD_REDUCED_COLOR_2/4/8` (the same rule as `from_packed`),
+              simplejpeg's `decode_jpeg(min_height=, min_width=)` (libjpeg-turbo's TurboJPEG
+              API, straight to RGB; min sizes of exactly 1/r of the image's, so only the
+              1/2, 1/4, 1/8 scales: 3/4 or 5/8 decode slower than the whole image here, their
+              IDCTs have no SIMD); what it refuses (a JPEG its TurboJPEG cannot read) OpenCV
+              decodes instead
+    resize    bilinear, only the window (PIL's `resize(box=...)`; OpenCV slices, then resizes;
+              simplejpeg's array is sliced and resized by OpenCV)
     flip      left-right with probability 1/2 from the same generator
     into      `kpipe_sample_into(j, (image, label))` does the same into given arrays:
               `from_samples` gives it the batch's rows (kpipe/_samples_into.py); OpenCV
@@ -43,7 +49,10 @@ from kpipe.data._jpeg import check_augment_args
 from kpipe.data._pack import FORMAT
 from kpipe.data._paths import expand_paths
 
-DECODERS = ("pil", "cv2")
+DECODERS = ("pil", "cv2", "simplejpeg")
+# The packages each decoder imports, and the setup.cfg extra that installs them
+_PACKAGES = {"pil": (("PIL.Image", "pack"),), "cv2": (("cv2", "cv2"),),
+             "simplejpeg": (("simplejpeg", "jpeg"), ("cv2", "jpeg"))}
 _DCT_RATIOS = (8, 4, 2)
 
 
@@ -71,7 +80,7 @@ def read_index(files):
 
 
 class PackedImages:
-    """Map-style samples `(image, label)` of packed image shards, decoded with PIL or OpenCV.
+    """Map-style samples `(image, label)` of packed image shards, decoded with PIL, OpenCV or simplejpeg.
 
     For `kpipe.ProcessLoader.from_samples` (or PyTorch's `DataLoader`, Grain): `[j]` reads
     image j's JPEG bytes from the HDF5 shards `kpipe.data.pack` wrote (opened lazily, once
@@ -99,8 +108,10 @@ class PackedImages:
             side. Defaults to 0.875.
         seed: Seed of the crops and flips. Defaults to None (one drawn here, shared by
             every process the object is sent to).
-        decoder: "pil" (Pillow, draft mode) or "cv2" (OpenCV, `IMREAD_REDUCED_COLOR_*`).
-            Defaults to "pil".
+        decoder: "pil" (Pillow, draft mode), "cv2" (OpenCV, `IMREAD_REDUCED_COLOR_*`) or
+            "simplejpeg" (libjpeg-turbo through the `simplejpeg` package, DCT-scaled to
+            1/2..1/8 like the others, then sliced, resized and flipped with OpenCV: the
+            fastest of the three; `pip install kpipe[jpeg]`). Defaults to "pil".
 
     Attributes:
         class_names: The pack's class names, in label order.
@@ -110,7 +121,8 @@ class PackedImages:
     Raises:
         FileNotFoundError: if a path does not exist.
         ValueError: if a file is not a complete kpipe pack, or an argument is invalid.
-        ImportError: if the `decoder`'s package (Pillow or opencv-python) is not installed.
+        ImportError: if the `decoder`'s package (Pillow, opencv-python, simplejpeg) is not
+            installed; the message names the extra that installs it.
 
     Example:
 
@@ -138,11 +150,11 @@ class PackedImages:
             raise ValueError(f"`image_size` must be (height, width) of positive integers. Received: image_size={image_size!r}.")
         check_augment_args(image_size, crop, scale, ratio, flip, center_fraction)
         if decoder not in DECODERS:
-            raise ValueError(f"`decoder` must be one of {DECODERS}. Received: decoder={decoder!r}. Use 'pil' (Pillow) or "
-                             "'cv2' (opencv-python).")
+            raise ValueError(f"`decoder` must be one of {DECODERS}. Received: decoder={decoder!r}. Use 'pil' (Pillow), "
+                             "'cv2' (opencv-python) or 'simplejpeg' (libjpeg-turbo; pip install kpipe[jpeg]).")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"`seed` must be an integer or None. Received: seed={seed!r}.")
-        __import__("PIL.Image" if decoder == "pil" else "cv2")  # ImportError here, not in a worker
+        _check_packages(decoder)  # ImportError here, not in a worker
         self.files = expand_paths(paths, "paths", "packed HDF5")
         self.class_names, labels, self._offsets = read_index(self.files)
         self.labels = np.concatenate(labels).astype(np.int32)
@@ -209,7 +221,7 @@ class PackedImages:
         if self.decoder == "pil":
             return np.asarray(self._pil(data, rng)), self.labels[j]
         image = np.empty(self.image_size + (3,), np.uint8)
-        self._cv2(data, rng, image)
+        self._array(data, rng, image)
         return image, self.labels[j]
 
     def kpipe_sample_into(self, j, out):
@@ -235,7 +247,7 @@ class PackedImages:
         if self.decoder == "pil":
             image[...] = self._pil(data, rng)
         else:
-            self._cv2(data, rng, image)
+            self._array(data, rng, image)
         label[...] = self.labels[j]
 
     def _flips(self, rng):
@@ -274,21 +286,23 @@ class PackedImages:
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
         return im
 
-    def _cv2(self, data, rng, out):
-        """Decodes, crops, resizes and flips into `out` (uint8, `image_size + (3,)`, C order)."""
+    def _array(self, data, rng, out):
+        """Decodes (OpenCV or simplejpeg), crops, resizes and flips into `out` (uint8,
+        `image_size + (3,)`, C order)."""
         import cv2
 
         out_h, out_w = self.image_size
-        buf = np.frombuffer(data, np.uint8)
         size = jpeg_size(data)
         r = 1
         if size is not None:
             x, y, w, h = self.window(size[0], size[1], rng)
             r = next((r for r in _DCT_RATIOS if w >= r * out_w and h >= r * out_h), 1)
-        flags, rgb = _cv2_flags(cv2, r)
-        image = cv2.imdecode(buf, flags)  # stored orientation, as PIL and TF
-        if image is None:
-            raise ValueError(f"OpenCV cannot decode a packed image of {len(data)} bytes.")
+        image, rgb = _decode_simplejpeg(data, size, r) if self.decoder == "simplejpeg" else (None, True)
+        if image is None:  # OpenCV (also simplejpeg's refusals: CMYK, not a JPEG)
+            flags, rgb = _cv2_flags(cv2, r)
+            image = cv2.imdecode(np.frombuffer(data, np.uint8), flags)  # stored orientation, as PIL and TF
+            if image is None:
+                raise ValueError(f"OpenCV cannot decode a packed image of {len(data)} bytes.")
         if size is None:  # not a JPEG we can read the header of: decoded whole
             x, y, w, h = self.window(image.shape[1], image.shape[0], rng)
         image = image[y // r:max(y // r + 1, (y + h) // r), x // r:max(x // r + 1, (x + w) // r)]
@@ -297,6 +311,33 @@ class PackedImages:
             cv2.flip(out, 1, dst=out)
         if not rgb:
             cv2.cvtColor(out, cv2.COLOR_BGR2RGB, dst=out)
+
+
+def _check_packages(decoder):
+    """Imports the `decoder`'s packages; ImportError naming the extra that installs a missing one."""
+    import importlib
+
+    for module, extra in _PACKAGES[decoder]:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ImportError(f"`decoder={decoder!r}` needs the package {module.split('.')[0]!r}, which is not installed: "
+                              f"pip install kpipe[{extra}] (or pass another `decoder`: one of {DECODERS}).") from e
+
+
+def _decode_simplejpeg(data, size, r):
+    """Returns `(RGB array at 1/r scale, True)` decoded by simplejpeg (libjpeg-turbo), or
+    `(None, True)` where it refuses the data: OpenCV decodes it (or names it)."""
+    import simplejpeg
+
+    if size is None:
+        return None, True
+    try:  # min sizes of exactly ceil(side / r): TurboJPEG picks the 1/r scale, no other
+        image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-size[1] // r) if r > 1 else 0,
+                                       min_width=-(-size[0] // r) if r > 1 else 0)
+    except ValueError:
+        return None, True
+    return image, True
 
 
 def _cv2_flags(cv2, r):

@@ -26,12 +26,25 @@ load of other processes on the machine disturbs less than the wall clock):
   packed-cv2-bare, kpipe-packed-cv2, torch-packed-cv2  the same with decoder="cv2" (OpenCV's
                      IMREAD_REDUCED_COLOR_*; in from_samples each crop is resized straight into
                      the batch's row: PackedImages.kpipe_sample_into)
+  packed-sj-bare, kpipe-packed-sj, torch-packed-sj  the same with decoder="simplejpeg"
+                     (libjpeg-turbo; skipped where simplejpeg is not installed)
+  grain-packed       Grain over PackedImages (PIL): MapDataset.source(images).shuffle(seed=0)
+                     .repeat().batch(128).to_iter_dataset().mp_prefetch(num_workers=--workers),
+                     one iterator for every epoch (its workers start once); timed over all its
+                     timed epochs as one span (its workers run on across epoch ends)
+  grain-loader-packed  the same through grain.DataLoader(data_source=images, sampler=
+                     IndexSampler(shuffle=True, num_epochs=None, seed=0), operations=[Batch(128)],
+                     worker_count=--workers), timed the same way
+  kpipe-files-sj     ProcessLoader.from_samples over FolderImages: PackedImages's code
+                     (decoder="simplejpeg") reading each image from the folder's file instead of
+                     the pack: the same loader and augmentation over the two storages
 
 CPU ms/image is the CPU time of the row's process and all its children (live workers read
 through psutil, joined ones through rusage) over the timed epoch, per image.
 
 Open/list cost: listing the folder and opening+reading every file, against opening the
-pack's shards and reading every image's bytes, in this process (page cache warm).
+pack's shards (their index) and reading every image's bytes as PackedImages does (one
+`os.pread` each), in this process (page cache warm).
 """
 
 import json
@@ -44,15 +57,21 @@ import time
 
 import numpy as np
 
+from kpipe.data import PackedImages
+
 HELP = "JPEG photos decoded to 224x224 (decode+resize, random-resized crop, packed)"
 SIZE = (224, 224)
 BATCH = 128
 ROWS = ("keras-idf", "kpipe-files", "kpipe-packed", "kpipe-packed-256", "tfdata-rrc", "kpipe-rrc", "kpipe-rrc-packed-256",
         "pil-bare", "kpipe-samples-pil", "torch", "grain", "packed-pil-bare", "kpipe-packed-pil", "torch-packed",
-        "packed-cv2-bare", "kpipe-packed-cv2", "torch-packed-cv2")
-_PEERS = {"torch": "torch", "grain": "grain", "torch-packed": "torch", "torch-packed-cv2": "torch"}
+        "packed-cv2-bare", "kpipe-packed-cv2", "torch-packed-cv2", "packed-sj-bare", "kpipe-packed-sj", "torch-packed-sj",
+        "grain-packed", "grain-loader-packed", "kpipe-files-sj")
+_PEERS = {"torch": ("torch",), "grain": ("grain",), "torch-packed": ("torch",), "torch-packed-cv2": ("torch",),
+          "packed-sj-bare": ("simplejpeg",), "kpipe-packed-sj": ("simplejpeg",), "torch-packed-sj": ("torch", "simplejpeg"),
+          "grain-packed": ("grain",), "grain-loader-packed": ("grain",), "kpipe-files-sj": ("simplejpeg",)}
 _SAMPLE_ROWS = ("pil-bare", "kpipe-samples-pil", "torch", "grain", "packed-pil-bare", "kpipe-packed-pil", "torch-packed",
-                "packed-cv2-bare", "kpipe-packed-cv2", "torch-packed-cv2")
+                "packed-cv2-bare", "kpipe-packed-cv2", "torch-packed-cv2", "packed-sj-bare", "kpipe-packed-sj",
+                "torch-packed-sj", "grain-packed", "grain-loader-packed", "kpipe-files-sj")
 
 
 def add_arguments(parser):
@@ -101,6 +120,26 @@ class PilCrops:
         if rng.random() < 0.5:  # a flipped copy (PyTorch's collate refuses negative strides)
             im = im.transpose(Image.FLIP_LEFT_RIGHT)
         return np.asarray(im), self.labels[j]
+
+
+class FolderImages(PackedImages):
+    """`kpipe.data.PackedImages`'s decoding over the folder's files: `read(j)` is file j's bytes
+    (one open + read), so a loader's rows over the folder and over the pack differ in the
+    storage only (random-resized crop of the default scale and ratio)."""
+
+    def __init__(self, paths, labels, image_size=SIZE, crop="random", flip=True, seed=0, decoder="simplejpeg"):
+        self.paths, self.labels = list(paths), np.asarray(labels, np.int32)
+        self.image_size, self.crop, self.flip, self.seed, self.decoder = tuple(image_size), crop, flip, seed, decoder
+        self.scale, self.ratio, self.center_fraction = (0.08, 1.0), (3 / 4, 4 / 3), 0.875
+        self.log_ratio = (float(np.log(3 / 4)), float(np.log(4 / 3)))
+        self.epoch, self._open, self._pid = 0, {}, None
+
+    def read(self, j):
+        with open(self.paths[j], "rb") as f:
+            return f.read()
+
+    def _close(self):
+        pass
 
 
 def _bare(records, workers, epochs):
@@ -201,9 +240,13 @@ def _dataset(row, ctx):
     raise ValueError(row)
 
 
-def _epochs(iterate, epochs):
+def _epochs(iterate, epochs, warm=None):
+    """Best images/s and least CPU ms/image of `epochs` timed calls of `iterate` after one
+    untimed (`warm[0]` is set True once the untimed one is done, where given)."""
     best, cpu_ms = 0.0, float("inf")
     for epoch in range(epochs + 1):
+        if warm is not None and epoch:
+            warm[0] = True
         t, c = time.perf_counter(), _cpu()
         n = iterate()
         rate, ms = n / (time.perf_counter() - t), (_cpu() - c) / max(1, n) * 1e3
@@ -216,18 +259,20 @@ def run_row(row, ctx):
     """Runs one row here; returns `{"rate": images/s, "cpu_ms": CPU ms per image}` (its workers' CPU included)."""
     epochs, workers = ctx["epochs"], ctx["workers"]
     if row in _SAMPLE_ROWS:
+        decoder = "cv2" if "cv2" in row else "simplejpeg" if row.endswith("-sj") or "-sj-" in row else "pil"
         if "packed" in row:
             import kpipe.data
 
-            records = kpipe.data.PackedImages(ctx["packed256"], image_size=SIZE, crop="random", flip=True, seed=0,
-                                              decoder="cv2" if "cv2" in row else "pil")
+            records = kpipe.data.PackedImages(ctx["packed256"], image_size=SIZE, crop="random", flip=True, seed=0, decoder=decoder)
+        elif row == "kpipe-files-sj":
+            records = FolderImages(*_files(ctx["folder"]), decoder=decoder)
         else:
             paths, labels = _files(ctx["folder"])
             records = PilCrops(paths, labels)
         if row.endswith("bare"):
             rate, cpu_ms = _bare(records, workers, epochs)
             return {"rate": rate, "cpu_ms": cpu_ms}
-        if row in ("kpipe-samples-pil", "kpipe-packed-pil", "kpipe-packed-cv2"):
+        if row.startswith("kpipe-"):
             import kpipe
 
             with kpipe.ProcessLoader.from_samples(records, BATCH, shuffle=True, seed=0, workers=workers) as loader:
@@ -245,9 +290,23 @@ def run_row(row, ctx):
             return {"rate": rate, "cpu_ms": cpu_ms}
         import grain
 
-        ds = grain.MapDataset.source(records).shuffle(seed=0).batch(BATCH).to_iter_dataset()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-        rate, cpu_ms = _epochs(lambda: sum(len(y) for _, y in ds), epochs)
+        # one iterator over repeated epochs (its workers start once, as the others' persist)
+        if row == "grain-loader-packed":
+            sampler = grain.samplers.IndexSampler(num_records=len(records), shard_options=grain.sharding.NoSharding(),
+                                                  shuffle=True, num_epochs=None, seed=0)
+            it = iter(grain.DataLoader(data_source=records, sampler=sampler, operations=[grain.transforms.Batch(batch_size=BATCH)],
+                                       worker_count=workers))
+        else:
+            ds = grain.MapDataset.source(records).shuffle(seed=0).repeat().batch(BATCH).to_iter_dataset()
+            it = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)))
+        per_epoch = -(-len(records) // BATCH)
+        # timed as one span of the timed epochs: its workers run ahead across epochs (one
+        # batch each), which a best single epoch would count as free
+        warm = [False]
+
+        def span():
+            return sum(len(next(it)[1]) for _ in range(per_epoch * (epochs if warm[0] else 1)))
+        rate, cpu_ms = _epochs(span, 1, warm)
         return {"rate": rate, "cpu_ms": cpu_ms}
     ds = _dataset(row, ctx)
     rate, cpu_ms = _epochs(lambda: sum(int(y.shape[0]) for _, y in ds), epochs)
@@ -258,8 +317,9 @@ def run_row(row, ctx):
 
 
 def _open_costs(folder, shards):
-    """Seconds to list the folder and read every file, and to open every shard and read every image."""
-    import h5py
+    """Seconds to list the folder and read every file, and to open every shard (its index)
+    and read every image's bytes as PackedImages does (one os.pread each)."""
+    import kpipe.data
 
     t = time.perf_counter()
     paths, _ = _files(folder)
@@ -269,19 +329,18 @@ def _open_costs(folder, shards):
             f.read()
     files_s = time.perf_counter() - t
     t = time.perf_counter()
-    for s in shards:
-        with h5py.File(s, "r") as f:
-            blob, off = f["bytes"][:].tobytes(), f["offsets"][:]
-            [blob[a:b] for a, b in zip(off[:-1], off[1:])]
+    images = kpipe.data.PackedImages(shards)
+    for j in range(len(images)):
+        images.read(j)
     return listed, files_s, time.perf_counter() - t
 
 
 def peer_missing(row):
     import importlib.util
 
-    package = _PEERS.get(row)
-    if package and importlib.util.find_spec(package) is None:
-        return f"{package} is not installed (pip install {package}{'-jax' if package == 'grain' else ''})"
+    for package in _PEERS.get(row, ()):
+        if importlib.util.find_spec(package) is None:
+            return f"{package} is not installed (pip install {package}{'-jax' if package == 'grain' else ''})"
     return None
 
 
@@ -330,12 +389,14 @@ def run(args, workers, repeats, quick):
                 got = json.loads(line[4:])
                 print(f"  round {round_ + 1} jpeg/{row}: {got['rate']:.0f} images/s"
                       + (f", {got['cpu_ms']:.2f} CPU ms/image" if got["cpu_ms"] else ""), flush=True)
-                had = best.setdefault(row, {"rate": 0.0, "cpu_ms": None})
+                had = best.setdefault(row, {"rate": 0.0, "cpu_ms": None, "rounds": []})
+                had["rounds"].append(got["rate"])
                 had["rate"] = max(had["rate"], got["rate"])
                 if got["cpu_ms"] is not None:
                     had["cpu_ms"] = got["cpu_ms"] if had["cpu_ms"] is None else min(had["cpu_ms"], got["cpu_ms"])
         for row in rows:
             out.append({"workload": "jpeg", "loader": row, "rate": best[row]["rate"], "cpu_ms": best[row]["cpu_ms"],
+                        "round_rates": best[row]["rounds"],
                         "images": n, "photo": photo, "open_list_s": {"list": listed, "files": files_s, "shards": shards_s}})
     return out, skipped
 
@@ -345,7 +406,6 @@ _RATIOS = (  # (row, of row, the issue's target)
     ("kpipe-rrc", "tfdata-rrc", 1.0),
     ("kpipe-packed-256", "kpipe-files", 2.0),
     ("kpipe-packed", "kpipe-files", None),
-    ("kpipe-rrc-packed-256", "kpipe-rrc", None),
     ("kpipe-samples-pil", "pil-bare", 0.95),
     ("kpipe-samples-pil", "torch", 1.2),
     ("kpipe-packed-pil", "packed-pil-bare", 0.95),
@@ -353,7 +413,27 @@ _RATIOS = (  # (row, of row, the issue's target)
     ("kpipe-packed-cv2", "packed-cv2-bare", 0.95),
     ("kpipe-packed-cv2", "torch-packed-cv2", 1.2),
     ("kpipe-packed-cv2", "kpipe-packed-pil", None),
+    ("kpipe-packed-sj", "packed-sj-bare", 0.95),
+    ("kpipe-packed-sj", "torch-packed-sj", 1.2),
+    ("kpipe-packed-sj", "kpipe-packed-pil", None),
+    ("kpipe-packed-sj", "kpipe-packed-cv2", None),
+    ("kpipe-packed-pil", "grain-packed", None),
+    ("kpipe-packed-pil", "grain-loader-packed", None),
+    # packed at max side 256 against the folder: the same loader and augmentation, two storages
+    ("kpipe-rrc-packed-256", "kpipe-rrc", 2.0),
+    ("kpipe-packed-pil", "kpipe-samples-pil", 2.0),
+    ("kpipe-packed-sj", "kpipe-files-sj", 2.0),
 )
+# the random-resized-crop rows over the folder and over the max-side-256 pack: the best of each
+_FOLDER_RRC = ("tfdata-rrc", "kpipe-rrc", "kpipe-samples-pil", "torch", "grain", "kpipe-files-sj")
+_PACKED_RRC = ("kpipe-rrc-packed-256", "kpipe-packed-pil", "kpipe-packed-cv2", "kpipe-packed-sj")
+
+
+def _paired(row, of):
+    """The median over rounds of `row`'s images/s / `of`'s in the same round (the machine's
+    load moves between rounds more than between two rows of one round), or None."""
+    a, b = row.get("round_rates") or [], of.get("round_rates") or []
+    return float(np.median([x / y for x, y in zip(a, b)])) if a and len(a) == len(b) else None
 
 
 def print_rows(rows, workers, repeats):
@@ -364,7 +444,7 @@ def print_rows(rows, workers, repeats):
     if not by:
         return
     print(f"\njpeg workload: 224x224 output, batch {BATCH}, workers {workers}, best of {repeats} rounds of 3 epochs "
-          "after 1 untimed, each row in a fresh process")
+          "after 1 untimed, each row in a fresh process (paired: median over rounds of the ratio within a round)")
     _bench.print_table((("loader", "<22", ""), ("images/s", ">10", ".0f"), ("CPU ms/image", ">14", ".2f")),
                        [(k, r["rate"], r["cpu_ms"]) for k, r in by.items()])
     for row, of, target in _RATIOS:
@@ -372,7 +452,16 @@ def print_rows(rows, workers, repeats):
             ratio = by[row]["rate"] / by[of]["rate"]
             cpu = (by[of]["cpu_ms"] / by[row]["cpu_ms"]) if by[row]["cpu_ms"] and by[of]["cpu_ms"] else None
             verdict = "" if target is None else (" PASS" if ratio >= target else " MISS") + f" (target >= {target}x)"
-            print(f"  {row} / {of}: {ratio:.2f}x images/s" + (f", {cpu:.2f}x by CPU time per image" if cpu else "") + verdict)
+            paired = _paired(by[row], by[of])
+            print(f"  {row} / {of}: {ratio:.2f}x images/s" + (f" (paired {paired:.2f}x)" if paired else "")
+                  + (f", {cpu:.2f}x by CPU time per image" if cpu else "") + verdict)
+    folder = max((r for r in _FOLDER_RRC if r in by), key=lambda r: by[r]["rate"], default=None)
+    packed = max((r for r in _PACKED_RRC if r in by), key=lambda r: by[r]["rate"], default=None)
+    if folder and packed:
+        print(f"  best packed-256 path {packed} / best folder path {folder} (random-resized crop + flip): "
+              f"{by[packed]['rate'] / by[folder]['rate']:.2f}x images/s"
+              + (f", {by[folder]['cpu_ms'] / by[packed]['cpu_ms']:.2f}x by CPU time per image"
+                 if by[packed]["cpu_ms"] and by[folder]["cpu_ms"] else ""))
 
 
 def main_child():
