@@ -36,6 +36,8 @@ from kpipe._engine import _alloc, _tree
 from kpipe.errors import BatchStructureError
 
 _TOO_LONG = ("raise", "drop", "truncate")
+_PREFILL_BYTES = 1 << 16  # a padded batch array up to this size is filled with its pad first (see Batch)
+_ndarray, _generic = np.ndarray, np.generic
 
 
 class Padding:
@@ -242,9 +244,14 @@ class Batch:
 
     `put` runs once per sample, so what it needs per leaf is worked out here once (the
     output array, padded length, expected dtype and shape, pad value as a Python number,
-    whether it gives the row's length) and unpadded leaves (labels) are gathered into a
-    list and written with one NumPy call by `finish`: the per-sample cost is then the
-    writes themselves, as in a hand-written padding loop (`scripts/bench_varlen.py`)."""
+    whether it gives the row's length, the length past which a sample is cut or refused)
+    and unpadded leaves (labels) are gathered into a list and written with one NumPy call
+    by `finish`. A padded leaf's batch array of at most `_PREFILL_BYTES` is filled with
+    its pad value in one call here (it is in the core's cache: cheaper than one write of
+    the pad per row), so `put` writes only the sample's values into it; a larger one
+    (waveforms) gets the pad written row by row after the values (its bytes written
+    once). The per-sample cost is then the writes themselves, as in a hand-written
+    padding loop (`scripts/bench_varlen.py`)."""
 
     def __init__(self, plan, size, first, first_leaves, targets, limit):
         self.plan, self.first, self.targets, self.limit = plan, first, targets, limit
@@ -252,53 +259,57 @@ class Batch:
         self.out = [_alloc.empty((size, t) + shape[1:] if t is not None else (size,) + shape, dtype)
                     for t, (shape, dtype) in zip(targets, self.refs)]
         self.used = [0] * size  # the length leaf's real length per row
-        self.truncate = plan.padding.too_long == "truncate" or limit is None
+        truncate = plan.padding.too_long == "truncate" or limit is None
         self.right = plan.padding.side == "right"
-        # per leaf: (output, padded length or None, dtype, rank, checked shape, pad value, gives the length)
-        self.cols = [(out, t, dtype, len(shape), shape[1:] if t is not None else shape,
-                      None if plan.values[k] is None else plan.values[k].item(), k == plan.length_leaf)
-                     for k, (out, t, (shape, dtype)) in enumerate(zip(self.out, targets, self.refs))]
-        self.rows = [[None] * size if t is None else None for t in targets]  # unpadded leaves, written by finish
+        # per leaf: (index, output, padded length or None, dtype, rank, checked shape, pad value or None when
+        # the output is filled with it already, gives the length, longest kept as it is, cut beyond it,
+        # unpadded leaves' rows or None)
+        self.cols = []
+        for k, (out, t, (shape, dtype)) in enumerate(zip(self.out, targets, self.refs)):
+            pad = None if plan.values[k] is None else plan.values[k].item()
+            if t is not None and out.nbytes <= _PREFILL_BYTES:
+                out.fill(pad)
+                pad = None
+            cap = None if t is None else t if truncate else min(t, limit)
+            self.cols.append((k, out, t, dtype, len(shape), shape[1:] if t is not None else shape, pad,
+                              k == plan.length_leaf, cap, truncate, [None] * size if t is None else None))
 
     def put(self, r, j, leaves, given=None):
         """Writes sample `j`'s `leaves` into row `r` (its length checked against `given`)."""
-        for k, leaf in enumerate(leaves):
-            out, target, dtype, ndim, shape, pad, gives_length = self.cols[k]
-            got = leaf.shape
-            if target is None:
-                if (leaf.dtype is not dtype and leaf.dtype != dtype) or got != shape:
+        right = self.right
+        for leaf, (k, out, target, dtype, ndim, shape, pad, gives_length, cap, truncate, rows) in zip(leaves, self.cols):
+            if type(leaf) is not _ndarray and not isinstance(leaf, _generic):
+                leaf = np.asarray(leaf)
+            if target is None:  # (a label: gathered, written by finish)
+                if (leaf.dtype is not dtype and leaf.dtype != dtype) or leaf.shape != shape:
                     raise self._mismatch(k, j, leaf)
-                self.rows[k][r] = leaf
+                rows[r] = leaf
                 continue
+            got = leaf.shape
             if (leaf.dtype is not dtype and leaf.dtype != dtype) or len(got) != ndim or got[1:] != shape:
                 raise self._mismatch(k, j, leaf)
             n = got[0]
-            if gives_length:
-                if given is not None and n != given:
-                    raise BatchStructureError(
-                        f"Sample {j} of `{self.plan.name}` has {self.plan.paths[k]} of length {n}, but `lengths` gave "
-                        f"{given} for it. Give from_samples lengths that match the samples (or lengths=None to measure "
-                        "them).")
-                if not self.truncate and n > self.limit:
-                    raise BatchStructureError(
-                        f"Sample {j} of `{self.plan.name}` has {self.plan.paths[k]} of length {n}, longer than the padded "
-                        f"length {self.limit}. Give Padding(too_long='truncate') to cut it, or too_long='drop' to leave "
-                        "such samples out, or a larger length.")
-            elif not self.truncate and n > self.limit:
+            if gives_length and given is not None and n != given:
                 raise BatchStructureError(
-                    f"Sample {j} of `{self.plan.name}` has {self.plan.paths[k]} of length {n}, longer than the padded "
-                    f"length {self.limit}. Give Padding(too_long='truncate') to cut it, or too_long='drop' to leave "
-                    "such samples out, or a larger length.")
-            if n > target:
-                leaf = leaf[:target] if self.right else leaf[n - target:]
+                    f"Sample {j} of `{self.plan.name}` has {self.plan.paths[k]} of length {n}, but `lengths` gave "
+                    f"{given} for it. Give from_samples lengths that match the samples (or lengths=None to measure "
+                    "them).")
+            if n > cap:
+                if not truncate:
+                    raise BatchStructureError(
+                        f"Sample {j} of `{self.plan.name}` has {self.plan.paths[k]} of length {n}, longer than the "
+                        f"padded length {self.limit}. Give Padding(too_long='truncate') to cut it, or too_long='drop' "
+                        "to leave such samples out, or a larger length.")
+                leaf = leaf[:target] if right else leaf[n - target:]
                 n = target
-            row = out[r]
-            if self.right:
-                row[:n] = leaf
-                row[n:] = pad
+            if right:
+                out[r, :n] = leaf
+                if pad is not None:
+                    out[r, n:] = pad
             else:
-                row[target - n:] = leaf
-                row[:target - n] = pad
+                out[r, target - n:] = leaf
+                if pad is not None:
+                    out[r, :target - n] = pad
             if gives_length:
                 self.used[r] = n
 
@@ -313,7 +324,7 @@ class Batch:
 
     def finish(self):
         """The batch: the sample's structure, with the mask/lengths keys added."""
-        for out, rows in zip(self.out, self.rows):
+        for _, out, _, _, _, _, _, _, _, _, rows in self.cols:
             if rows is not None and out.ndim == 1:
                 out[...] = rows  # (one conversion for the batch's scalars)
             elif rows is not None:
@@ -325,13 +336,14 @@ class Batch:
             return tree
         into = tree if isinstance(tree, dict) else tree[0]
         target = self.targets[self.plan.length_leaf]
-        if p.mask is not None:
+        if p.mask is not None:  # (one comparison for the batch: 1 where a row's position holds a value)
             mask = _alloc.empty((len(self.used), target), p.mask_dtype)
-            for r, n in enumerate(self.used):
-                if p.side == "right":
-                    mask[r, :n], mask[r, n:] = 1, 0
-                else:
-                    mask[r, target - n:], mask[r, :target - n] = 1, 0
+            used = np.array(self.used, np.int64)[:, None]
+            positions = np.arange(target)
+            if p.side == "right":
+                np.less(positions, used, out=mask, casting="unsafe")
+            else:
+                np.greater_equal(positions, target - used, out=mask, casting="unsafe")
             into[p.mask] = mask
         if p.lengths is not None:
             lengths = _alloc.empty((len(self.used),), np.int32)
