@@ -171,12 +171,12 @@ class SampleBatches:
     def __getitem__(self, key):
         if self.padding is None and self.collate is None:
             return self._stacked(self.samples(key).tolist())
-        bucket, samples = self.batch(key)
-        samples = samples.tolist()
+        bucket, indices = self.batch(key)
+        samples = indices.tolist()
         if self.collate is not None:
             return self.collate([self.dataset[j] for j in samples])
         limit = self.buckets.limit(bucket) if self.buckets is not None else None
-        given = None if self.lengths is None else self.lengths[samples].tolist()
+        given = None if self.lengths is None else self.lengths[indices].tolist()
         dataset = self.dataset
         first = dataset[samples[0]]
         treedef, leaves, _ = _tree.flatten(first, what="sample")
@@ -195,17 +195,11 @@ class SampleBatches:
                 rows.append([_padding.as_leaf(v) for v in leaves])
             return self._pad.fill(samples, rows, limit, given)
         batch = self._pad.batch(len(samples), samples[0], leaves, targets, limit)
-        put = batch.put
-        put(0, samples[0], leaves, None if given is None else given[0])
+        batch.put(0, samples[0], leaves, None if given is None else given[0])
         first = leaves = None
-        for r in range(1, len(samples)):  # (each written now, and dropped before the next is read: the NOTE)
-            j = samples[r]
-            sample = dataset[j]
-            leaves = leaves_of(sample)
-            if leaves is None:
-                raise _structure_error(dataset, j, sample, samples[0], treedef)
-            put(r, j, leaves, None if given is None else given[r])
-            sample = leaves = None
+        # (each written as it is read, and dropped before the next is read: the NOTE)
+        batch.read(1, samples[1:], dataset.__getitem__, leaves_of, None if given is None else given[1:],
+                   lambda j, sample: _structure_error(dataset, j, sample, samples[0], treedef))
         return batch.finish()
 
     def _stacked(self, samples):
