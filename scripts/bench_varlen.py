@@ -102,6 +102,20 @@ costs ~935 us a sample serially, kpipe ~1160-1310 in all, tf.data ~1690-1800 (it
 `numpy_function` copy into a tensor, the padded batch copy, its threads' spinning): even
 with no overhead at all a loader doing the dataset's work would be at most ~1.8x tf.data
 by CPU, and kpipe is at 1.34-1.45x.
+
+Issue 46's fourth session: the padding write per batch of 32 text rows 82 -> ~35-46 us
+(cached samples, serial; a hand-written loop 18-26): a padded array of <= 64 KiB is filled
+with the pad in one call, then each row gets its values only; one read loop per batch.
+Figures after it (`--workers 1/2/4 --epochs 4`, lead-in, load 1.4-5.5 during the runs;
+samples/s, CPU us per sample in brackets; the table in docs/guides/variable-length.md):
+    text   kpipe / bare   0.79x (0.80x)   0.81x (0.80x)   0.82x (0.82x)
+           kpipe / best   1.56x (1.59x)   1.53x (1.65x)   1.22x (1.97x)
+    audio  kpipe / bare   1.00x (1.02x)   1.04x (1.04x)   0.90x (1.00x)
+           kpipe / best   1.45x (1.46x)   0.74x (1.41x)   0.89x (1.33x)
+and at a quiet moment (load 1.0-1.4, `bench_varlen_parts.py --workloads text --epochs 3`)
+text at 2 workers: kpipe 37,473/s, bare processes 38,870/s (0.96x; 0.85x by CPU). Grain's
+audio rate moved 616-1,286/s between runs minutes apart: on this machine samples/s ratios
+between rows are within that noise; CPU per sample moves ~10%.
 """
 
 import argparse
