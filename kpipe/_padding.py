@@ -29,9 +29,12 @@ collate function holds them.
 A leaf is padded along its first axis (a sequence's time axis); its other axes, its rank
 and its dtype must agree between the samples of a batch (a named error otherwise). The
 mask (`mask=`) and lengths (`lengths=`) outputs are two more arrays in the slot, added to
-the sample's dict (or to its inputs' dict: `(inputs, targets)` with `inputs` a dict).
+the sample's dict (or to its inputs' dict: `(inputs, targets)` with `inputs` a dict). A
+batch's arrays, these included, are carved out of one `kpipe.empty` block (`_carve`): one
+allocation in the slot per batch rather than one per array.
 """
 
+import math
 import numbers
 
 import numpy as np
@@ -259,8 +262,14 @@ class Batch:
     def __init__(self, plan, size, first, first_leaves, targets, limit):
         self.plan, self.first, self.targets, self.limit = plan, first, targets, limit
         self.refs = [(leaf.shape, leaf.dtype) for leaf in first_leaves]
-        self.out = [_alloc.empty((size, t) + shape[1:] if t is not None else (size,) + shape, dtype)
-                    for t, (shape, dtype) in zip(targets, self.refs)]
+        p = plan.padding
+        shapes = [((size, t) + shape[1:] if t is not None else (size,) + shape, dtype)
+                  for t, (shape, dtype) in zip(targets, self.refs)]
+        extra = [((size, targets[plan.length_leaf]), p.mask_dtype)] if p.mask is not None else []
+        extra += [((size,), np.dtype(np.int32))] if p.lengths is not None else []
+        self.out = _carve(shapes + extra)
+        self.extra = self.out[len(shapes):]  # (the mask and lengths arrays, filled by finish)
+        del self.out[len(shapes):]
         self.used = [0] * size  # the length leaf's real length per row
         truncate = plan.padding.too_long == "truncate" or limit is None
         self.right = plan.padding.side == "right"
@@ -362,7 +371,7 @@ class Batch:
         into = tree if isinstance(tree, dict) else tree[0]
         target = self.targets[self.plan.length_leaf]
         if p.mask is not None:  # (one comparison for the batch: 1 where a row's position holds a value)
-            mask = _alloc.empty((len(self.used), target), p.mask_dtype)
+            mask = self.extra[0]
             used = np.array(self.used, np.int64)[:, None]
             positions = np.arange(target)
             if p.side == "right":
@@ -371,7 +380,7 @@ class Batch:
                 np.greater_equal(positions, target - used, out=mask, casting="unsafe")
             into[p.mask] = mask
         if p.lengths is not None:
-            lengths = _alloc.empty((len(self.used),), np.int32)
+            lengths = self.extra[-1]
             lengths[:] = self.used
             into[p.lengths] = lengths
         return tree
@@ -387,6 +396,19 @@ def _extra_dict(treedef, name):
         f"`Padding(mask=...)` / `Padding(lengths=...)` add a key to a dict, but samples of `{name}` are "
         f"{_tree.describe(treedef)}. Return a dict sample ({{'ids': ..., 'label': ...}}) or "
         "(inputs_dict, targets), or leave mask/lengths out (Embedding(mask_zero=True) masks by value).")
+
+
+def _carve(specs):
+    """Arrays of these `(shape, dtype)`s in one `kpipe.empty` block (the slot), each at a
+    64-byte-aligned offset: one allocation per batch instead of one per array (~14 us each
+    in a loaded worker)."""
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        total = -(-total // 64) * 64
+        offsets.append(total)
+        total += math.prod(shape) * dtype.itemsize
+    block = _alloc.empty((total,), np.uint8)
+    return [np.ndarray(shape, dtype, buffer=block, offset=at) for (shape, dtype), at in zip(specs, offsets)]
 
 
 def _same(value):
