@@ -106,12 +106,18 @@ by CPU, and kpipe is at 1.34-1.45x.
 Issue 46's fourth session: the padding write per batch of 32 text rows 82 -> ~35-46 us
 (cached samples, serial; a hand-written loop 18-26): a padded array of <= 64 KiB is filled
 with the pad in one call, then each row gets its values only; one read loop per batch.
-Figures after it (`--workers 1/2/4 --epochs 4`, lead-in, load 1.4-5.5 during the runs;
+Figures after it (`--workers 1/2/4 --epochs 4`, lead-in, load 2.2-4.3 during the runs;
 samples/s, CPU us per sample in brackets; the table in docs/guides/variable-length.md):
-    text   kpipe / bare   0.79x (0.80x)   0.81x (0.80x)   0.82x (0.82x)
-           kpipe / best   1.56x (1.59x)   1.53x (1.65x)   1.22x (1.97x)
-    audio  kpipe / bare   1.00x (1.02x)   1.04x (1.04x)   0.90x (1.00x)
-           kpipe / best   1.45x (1.46x)   0.74x (1.41x)   0.89x (1.33x)
+    text   kpipe / bare   0.86x (0.87x)   0.91x (0.80x)   0.85x (0.84x)
+           kpipe / best   1.58x (1.57x)   1.64x (1.45x)   1.73x (1.72x)
+    audio  kpipe / bare   1.05x (1.07x)   1.07x (1.02x)   0.94x (1.00x)
+           kpipe / best   1.47x (1.55x)   1.44x (1.40x)   1.31x (1.33x)
+Where a text batch's worker CPU goes beyond the dataset's ~1.2 ms (instrumented worker,
+1 worker, per batch of 32, load ~3): allocating its arrays in the slot ~28 us (two
+kpipe.empty; one since), the padding's writes and checks ~30, laying the batch out and the
+kept-memory check ~20, the two structure walks ~14, reseeding random and numpy.random ~17,
+the run-queue clock ~11, the done message ~24 and the task message ~10: ~150 us, ~5 us a
+sample, the gap to bare processes with the consumer's ~4.
 and at a quiet moment (load 1.0-1.4, `bench_varlen_parts.py --workloads text --epochs 3`)
 text at 2 workers: kpipe 37,473/s, bare processes 38,870/s (0.96x; 0.85x by CPU). Grain's
 audio rate moved 616-1,286/s between runs minutes apart: on this machine samples/s ratios
