@@ -106,12 +106,13 @@ class SampleBatches:
         self._order = (None, None)  # (pass, order) of the last pass a batch came from
         self._plan = (None, None)  # (pass, buckets' batches) likewise
         self._pad = None  # the padding `_padding.Plan` of the samples' structure
+        self._walk = None  # its `_leaves_of`
 
     def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k not in ("_order", "_plan", "_pad")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_order", "_plan", "_pad", "_walk")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _order=(None, None), _plan=(None, None), _pad=None)
+        self.__dict__.update(state, _order=(None, None), _plan=(None, None), _pad=None, _walk=None)
 
     @property
     def kpipe_varying_shapes(self):
@@ -170,33 +171,35 @@ class SampleBatches:
     def __getitem__(self, key):
         if self.padding is None and self.collate is None:
             return self._stacked(self.samples(key).tolist())
-        bucket, samples = self.batch(key)
-        samples = samples.tolist()
+        bucket, indices = self.batch(key)
+        samples = indices.tolist()
         if self.collate is not None:
             return self.collate([self.dataset[j] for j in samples])
         limit = self.buckets.limit(bucket) if self.buckets is not None else None
-        given = None if self.lengths is None else self.lengths[samples].tolist()
-        first = self.dataset[samples[0]]
+        given = None if self.lengths is None else self.lengths[indices].tolist()
+        dataset = self.dataset
+        first = dataset[samples[0]]
         treedef, leaves, _ = _tree.flatten(first, what="sample")
         if self._pad is None or self._pad.treedef != treedef:
-            self._pad = _padding.Plan(self.padding, treedef, leaves, _name(self.dataset))
+            self._pad = _padding.Plan(self.padding, treedef, leaves, _name(dataset))
+            self._walk = _leaves_of(treedef)
         targets = self._pad.targets(limit, given=given)
-        batch = None if targets is None else self._pad.batch(len(samples), samples[0], leaves, targets, limit)
-        rows, leaves_of = [], _leaves_of(treedef)
-        for r, j in enumerate(samples):
-            if r:
-                sample = self.dataset[j]
+        leaves_of = self._walk
+        if targets is None:  # (the padded lengths are known once every sample is read)
+            rows = [leaves]
+            for j in samples[1:]:
+                sample = dataset[j]
                 leaves = leaves_of(sample)
                 if leaves is None:
-                    raise _structure_error(self.dataset, j, sample, samples[0], treedef)
-                leaves = [_padding.as_leaf(v) for v in leaves]
-            if batch is None:  # (the padded lengths are known once every sample is read)
-                rows.append(leaves)
-            else:  # (written now, and dropped before the next sample is read: see the NOTE)
-                batch.put(r, j, leaves, None if given is None else given[r])
-            first = sample = leaves = None
-        if batch is None:
+                    raise _structure_error(dataset, j, sample, samples[0], treedef)
+                rows.append([_padding.as_leaf(v) for v in leaves])
             return self._pad.fill(samples, rows, limit, given)
+        batch = self._pad.batch(len(samples), samples[0], leaves, targets, limit)
+        batch.put(0, samples[0], leaves, None if given is None else given[0])
+        first = leaves = None
+        # (each written as it is read, and dropped before the next is read: the NOTE)
+        batch.read(1, samples[1:], dataset.__getitem__, leaves_of, None if given is None else given[1:],
+                   lambda j, sample: _structure_error(dataset, j, sample, samples[0], treedef))
         return batch.finish()
 
     def _stacked(self, samples):

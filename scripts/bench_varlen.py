@@ -15,7 +15,12 @@ functions do; Grain has no length buckets). Method:
 `--epochs` passes per row, the first a warm-up (it includes starting the workers); the
 rows' passes are interleaved (pass e of each row in turn), so the machine's load reaches
 every row alike; the rate of each later pass is its samples / wall time, reported as
-median and best; ratios are of medians measured in this run. Padding waste = padded elements / real elements over
+median and best; ratios are of medians measured in this run. Each measured pass follows
+an unmeasured pass of the same row at once (`interleaved`'s lead-in; `--no-lead-in` to
+leave it out): a loader whose workers go on preparing batches after its pass (Grain's
+per-worker buffers) would otherwise start its next pass with them made, and do that work
+during -- and in the CPU count of -- the next row's pass. Each peer runs at its best
+setting here (`PEER_SETTINGS`). Padding waste = padded elements / real elements over
 the pass. Run: `python scripts/bench_varlen.py [--smoke] [--workers 2] [--json out.json]`.
 
 CPU per sample: each row's passes also report the CPU time of this process and its
@@ -97,6 +102,26 @@ costs ~935 us a sample serially, kpipe ~1160-1310 in all, tf.data ~1690-1800 (it
 `numpy_function` copy into a tensor, the padded batch copy, its threads' spinning): even
 with no overhead at all a loader doing the dataset's work would be at most ~1.8x tf.data
 by CPU, and kpipe is at 1.34-1.45x.
+
+Issue 46's fourth session: the padding write per batch of 32 text rows 82 -> ~35-46 us
+(cached samples, serial; a hand-written loop 18-26): a padded array of <= 64 KiB is filled
+with the pad in one call, then each row gets its values only; one read loop per batch.
+Figures after it (`--workers 1/2/4 --epochs 4`, lead-in, load 2.2-4.3 during the runs;
+samples/s, CPU us per sample in brackets; the table in docs/guides/variable-length.md):
+    text   kpipe / bare   0.86x (0.87x)   0.91x (0.80x)   0.85x (0.84x)
+           kpipe / best   1.58x (1.57x)   1.64x (1.45x)   1.73x (1.72x)
+    audio  kpipe / bare   1.05x (1.07x)   1.07x (1.02x)   0.94x (1.00x)
+           kpipe / best   1.47x (1.55x)   1.44x (1.40x)   1.31x (1.33x)
+Where a text batch's worker CPU goes beyond the dataset's ~1.2 ms (instrumented worker,
+1 worker, per batch of 32, load ~3): allocating its arrays in the slot ~28 us (two
+kpipe.empty; one since), the padding's writes and checks ~30, laying the batch out and the
+kept-memory check ~20, the two structure walks ~14, reseeding random and numpy.random ~17,
+the run-queue clock ~11, the done message ~24 and the task message ~10: ~150 us, ~5 us a
+sample, the gap to bare processes with the consumer's ~4.
+and at a quiet moment (load 1.0-1.4, `bench_varlen_parts.py --workloads text --epochs 3`)
+text at 2 workers: kpipe 37,473/s, bare processes 38,870/s (0.96x; 0.85x by CPU). Grain's
+audio rate moved 616-1,286/s between runs minutes apart: on this machine samples/s ratios
+between rows are within that noise; CPU per sample moves ~10%.
 """
 
 import argparse
@@ -182,16 +207,29 @@ def cpu_seconds():
     return np.array([time.process_time(), children])
 
 
-def interleaved(runs, epochs):
+def passes_for(epochs, lead_in=True):
+    """Passes each row's generator must give for `interleaved(..., epochs, lead_in)`."""
+    return 1 + (epochs - 1) * (2 if lead_in else 1)
+
+
+def interleaved(runs, epochs, lead_in=True):
     """Runs the rows' passes in turn -- pass e of every row, then pass e + 1 -- so a change
     in the machine's load reaches every row alike. `runs`: {row: generator yielding
-    `(samples, padded, real)` per pass, set up in its first}. Returns {row: (rates of all
-    passes but the first, padding waste, CPU microseconds per sample of those passes as
-    (this process, its children) pairs)}: the other rows' workers are idle meanwhile."""
+    `(samples, padded, real)` per pass, set up in its first; `passes_for(epochs, lead_in)`
+    passes}. With `lead_in`, each measured pass of a row follows an unmeasured pass of the
+    same row at once, as epochs follow each other in training: a loader whose workers go
+    on preparing batches (Grain's per-worker buffers, a next pass started ahead) fill them
+    after its own pass, while the next row runs -- so its next pass would start with those
+    batches made and its workers' CPU counted in the other row's pass. The lead-in pass
+    takes both: the measured pass finds the loader as the previous pass of its own left
+    it. Returns {row: (rates of the measured passes (all but the first), padding waste, CPU
+    microseconds per sample of those passes as (this process, its children) pairs)}."""
     rates, waste, cpu = {row: [] for row in runs}, {}, {row: [] for row in runs}
     try:
         for e in range(epochs):
             for row, run in runs.items():
+                if e and lead_in:
+                    next(run)
                 cpu_start, start = cpu_seconds(), time.perf_counter()
                 samples, padded, real = next(run)
                 elapsed, used = time.perf_counter() - start, cpu_seconds() - cpu_start
@@ -292,7 +330,8 @@ def run_bare(spec, workers, epochs, seed, slots=2):
 
 
 # ------------------------------------------------------------------ peers
-def run_tfdata(spec, workers, epochs, seed):
+def run_tfdata(spec, workers, epochs, seed, parallel=None):
+    """tf.data's row: `parallel` map calls (None: `workers`; "autotune": tf.data.AUTOTUNE)."""
     import tensorflow as tf
 
     ds = spec["make"]()
@@ -305,7 +344,8 @@ def run_tfdata(spec, workers, epochs, seed):
 
     for e in range(epochs):
         source = tf.data.Dataset.from_tensor_slices(_order(len(ds), seed, e))
-        source = source.map(lambda j: tf.numpy_function(load, [j], (dtype, tf.int32)), num_parallel_calls=workers)
+        calls = workers if parallel is None else tf.data.AUTOTUNE if parallel == "autotune" else parallel
+        source = source.map(lambda j: tf.numpy_function(load, [j], (dtype, tf.int32)), num_parallel_calls=calls)
         source = source.map(lambda x, y: (tf.ensure_shape(x, [None]), tf.ensure_shape(y, [])))
         source = source.bucket_by_sequence_length(lambda x, y: tf.shape(x)[0], spec["boundaries"], sizes)
         samples = padded = 0
@@ -321,7 +361,7 @@ def _torch_pad(batch):
     return pad_sequence([torch.from_numpy(x) for x, _ in batch], batch_first=True), torch.tensor([y for _, y in batch])
 
 
-def run_torch(spec, workers, epochs, seed):
+def run_torch(spec, workers, epochs, seed, prefetch=2):
     import torch
 
     ds = spec["make"]()
@@ -329,7 +369,7 @@ def run_torch(spec, workers, epochs, seed):
     gen.manual_seed(seed)
     # (forkserver: TensorFlow is loaded in this process by the tf.data row, and a fork of it may hang)
     loader = torch.utils.data.DataLoader(ds, batch_size=spec["batch"], shuffle=True, num_workers=workers,
-                                         collate_fn=_torch_pad, generator=gen, persistent_workers=True,
+                                         collate_fn=_torch_pad, generator=gen, persistent_workers=True, prefetch_factor=prefetch,
                                          multiprocessing_context="forkserver")
 
     for _ in range(epochs):
@@ -350,17 +390,19 @@ def _grain_pad(samples):
     return x, np.array([y for _, y in samples], np.int32), np.array([len(x) for x, _ in samples])
 
 
-def run_grain(spec, workers, epochs, seed):
+def run_grain(spec, workers, epochs, seed, buffer=4, threads=0):
     """Grain as its docs write a map-style pipeline: `MapDataset.source(ds).shuffle(seed)
     .repeat().to_iter_dataset().batch(B, batch_fn=pad).mp_prefetch(workers)`, plain
     shuffled batches padded to their longest (Grain has no length buckets); one iterator
-    over endless passes, `len(ds) // B` batches taken per pass."""
+    over endless passes, `len(ds) // B` batches taken per pass. `buffer`: each worker's
+    `per_worker_buffer_size`; `threads`: `ReadOptions.num_threads` in each worker. The
+    defaults are Grain's best here (`PEER_SETTINGS`)."""
     import grain
 
     ds = spec["make"]()
     source = grain.MapDataset.source(ds).shuffle(seed=seed).repeat()
-    batched = source.to_iter_dataset(grain.ReadOptions(num_threads=0)).batch(spec["batch"], batch_fn=_grain_pad)
-    iterator = iter(batched.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)))
+    batched = source.to_iter_dataset(grain.ReadOptions(num_threads=threads)).batch(spec["batch"], batch_fn=_grain_pad)
+    iterator = iter(batched.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=buffer)))
     steps = len(ds) // spec["batch"]
     try:
         for _ in range(epochs):
@@ -372,6 +414,20 @@ def run_grain(spec, workers, epochs, seed):
     finally:
         if hasattr(iterator, "close"):
             iterator.close()
+
+
+PEER_SETTINGS = """Each peer at its best setting here, checked side by side (issue 46's fourth session,
+2 workers, passes interleaved with lead-in unless said, load 4-8, one run per workload;
+median samples/s, CPU us per sample):
+    Grain per_worker_buffer_size 1 / 2 / 4 / 8 (num_threads=0): text 14018 / 12144 / 14906 /
+        11617 (118 / 128 / 124 / 130 us); audio 718 / 752 / 782 / 777 (1735 / 1733 / 1689 /
+        1737 us) -- 4 kept (it was 1; without lead-in, where a buffer's head start counts,
+        audio gave 688 / - / 1420 / -); num_threads=16 (Grain's default) in each worker:
+        text 3207/s (431 us), audio 822/s (2110 us): its threads contend for the GIL
+    PyTorch prefetch_factor 2 / 4: text 11007 / 10991 (118 / 121 us), audio 575 / 423
+        (1686 / 1625 us): 2 kept (PyTorch's default)
+    tf.data num_parallel_calls=workers / AUTOTUNE: text 4734 / 4458 (191 / 248 us); audio,
+        without lead-in, 833 / 728 (1433 / 1400 us): workers kept"""
 
 
 def plain_waste(lengths, batch, seed):
@@ -400,11 +456,11 @@ def queue_rows(queues):
     return [(f"kpipe max_queue_size={q}", functools.partial(run_kpipe, max_queue_size=q), None) for q in queues]
 
 
-def measure(name, spec, workers, epochs, seed, rows=None, result=None, queues=()):
+def measure(name, spec, workers, epochs, seed, rows=None, result=None, queues=(), lead_in=True):
     """Measures workload `name` (`spec` from `workloads()`): its rows' passes interleaved.
     Adds its rows, skipped rows and ratios to `result` (a dict, made if None) and returns
     it. `rows`: the row names to run (None: all; "kpipe" and "bare processes" always);
-    `queues`: kpipe rows at these `max_queue_size`s besides."""
+    `queues`: kpipe rows at these `max_queue_size`s besides; `lead_in`: see `interleaved`."""
     result = {"rows": [], "skipped": []} if result is None else result
     runs = {}
     for row, run, module in ROWS[:1] + queue_rows(queues) + ROWS[1:]:
@@ -415,9 +471,9 @@ def measure(name, spec, workers, epochs, seed, rows=None, result=None, queues=()
             print(f"  {name}: {row}: {reason}", flush=True)
             result["skipped"].append({"workload": name, "row": row, "reason": reason})
             continue
-        runs[row] = run(spec, workers, epochs, seed)
+        runs[row] = run(spec, workers, passes_for(epochs, lead_in), seed)
     rates, cpus = {}, {}
-    for row, (per_epoch, waste, cpu) in interleaved(runs, epochs).items():
+    for row, (per_epoch, waste, cpu) in interleaved(runs, epochs, lead_in).items():
         rates[row], cpus[row] = statistics.median(per_epoch), statistics.median(sum(c) for c in cpu)
         result["rows"].append({"workload": name, "row": row, "median_samples_per_s": rates[row],
                                "best_samples_per_s": max(per_epoch), "epoch_rates": per_epoch, "padding_waste": waste,
@@ -466,6 +522,8 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="few, small samples (a check that every row runs)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=4, help="passes per row, the first a warm-up (>= 2)")
+    parser.add_argument("--no-lead-in", action="store_true", help="measure each row's pass right after the other "
+                        "rows' (no unmeasured pass of the same row before it: see `interleaved`)")
     parser.add_argument("--workloads", default="text,audio")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the measurements here")
@@ -488,9 +546,11 @@ def main(argv=None):
         parser.error(f"--workloads takes a comma-separated subset of {', '.join(specs)}. Received: {args.workloads!r}")
     print(f"bench_varlen: {args.workers} workers, {args.epochs} passes per row (first a warm-up), "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    result = {"workers": args.workers, "epochs": args.epochs, "smoke": args.smoke, "rows": [], "skipped": []}
+    result = {"workers": args.workers, "epochs": args.epochs, "smoke": args.smoke, "lead_in": not args.no_lead_in,
+              "rows": [], "skipped": []}
     for name in names:
-        measure(name, specs[name], args.workers, args.epochs, args.seed, result=result, queues=queues)
+        measure(name, specs[name], args.workers, args.epochs, args.seed, result=result, queues=queues,
+                lead_in=not args.no_lead_in)
         report(name, specs[name], result)
     if args.json:
         with open(args.json, "w") as f:
