@@ -132,7 +132,7 @@ import os
 import statistics
 import sys
 import time
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 import psutil
@@ -262,6 +262,8 @@ def run_kpipe(spec, workers, epochs, seed, max_queue_size=None):
 # ------------------------------------------------------------------ bare processes
 def _bare_worker(ds, names, size, tasks, done):
     bufs = [shared_memory.SharedMemory(name) for name in names]
+    for buf in bufs:  # (attaching registered them with the resource tracker as if this process made them:
+        resource_tracker.unregister(buf._name, "shared_memory")  # it then warned of "leaked" ones the parent unlinks)
     try:
         while True:
             task = tasks.get()
