@@ -36,6 +36,7 @@ once the consumer lets go of it instead of reusing it. A cache costs a copy and 
 per kept batch, as it costs an array per kept batch without kpipe.
 """
 
+import math
 import os
 import sys
 import threading
@@ -106,8 +107,9 @@ class SlotAllocator:
 
     def empty(self, shape, dtype):
         dtype = np.dtype(dtype)
-        shape = tuple(int(d) for d in np.atleast_1d(shape)) if not isinstance(shape, (int, np.integer)) else (int(shape),)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not (isinstance(shape, tuple) and all(type(d) is int for d in shape)):  # (a tuple of ints: as given, ~4 us less)
+            shape = tuple(int(d) for d in np.atleast_1d(shape)) if not isinstance(shape, (int, np.integer)) else (int(shape),)
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:  # nothing to share (e.g. a batch of 0 rows)
             return np.empty(shape, dtype=dtype)
         offset = align(self.used)
