@@ -358,6 +358,8 @@ class AheadCopy(_feed.Feed):
         self._stop.set()
         if self._finalizer is not None:
             self._finalizer()
+        else:  # no thread (not started, or a probe read in this thread): the copies in flight, here
+            self._pin.close()
 
     def alive(self):
         """Whether the thread runs."""
