@@ -139,3 +139,19 @@ def test_keras_upstream_pydataset_tests_pass_under_torch_plain_and_through_kpipe
     summary = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+
+
+@pytest.mark.parametrize("pin", ["cpu", "0"])
+def test_steps_per_epoch_takes_plain_keras_batches_with_the_ahead_copy_on_and_off(tmp_path, pin):
+    """`fit(epochs=3, steps_per_epoch=5)` over 12 batches (Keras carries its iterator over
+    epoch ends and runs out in the third): each epoch's loss and the final weights equal
+    plain Keras's, byte for byte, with the ahead copy's thread reading ahead (`cpu`) and
+    without it (`0`): no batch skipped, repeated or reordered at an epoch's end
+    (tests/programs/torch_steps_cases.py)."""
+    checks._outputs.run_program("torch_steps_cases.py", tmp_path, backend="torch", timeout=300,
+                                env={"KPIPE_TORCH_PIN": pin})
+    record, arrays = checks._outputs.read(tmp_path / "steps", 0)
+    assert record["mode"] == pin and len(record["plain/loss"]) == 3
+    assert record["kpipe/loss"] == record["plain/loss"]
+    for i in range(2):
+        assert arrays[f"kpipe/{i}"].tobytes() == arrays[f"plain/{i}"].tobytes()
