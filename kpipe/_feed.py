@@ -174,11 +174,17 @@ class Feed:
         consumer: the adapter's `kpipe._keras_hook.KerasConsumer`: the stream is
             recorded there, and the thread waits where the loader's read limit says the
             consumer's Keras epoch ends (see `kpipe._stream.stream_batches`).
-        place: converts a standardized batch for the backend, `place(data, whole=...)`.
-            Defaults to None: TensorFlow tensors placed for `strategy`.
+        place: converts a standardized batch for the backend, `place(data, whole=...)`;
+            its `close()`, if it has one, is called by the thread as it ends. Defaults to
+            None: TensorFlow tensors placed for `strategy`.
+        source: an iterator of batches read instead of the loader's stream (`loader_ref`
+            is then None: no probe, no read limit; closed by the thread if it has
+            `close`). Defaults to None.
+        name: the thread's name. Defaults to "kpipe-feed".
     """
 
-    def __init__(self, loader_ref, standardize, strategy, depth=1, consumer=None, place=None):
+    def __init__(self, loader_ref, standardize, strategy, depth=1, consumer=None, place=None, source=None,
+                 name="kpipe-feed"):
         self._ref = loader_ref
         self._consumer = consumer
         self._standardize = standardize
@@ -189,6 +195,7 @@ class Feed:
         self._thread = None
         self._sync = None  # the stream's generator when read in the calling thread
         self._done = False
+        self._source, self._name = source, name
 
     def __iter__(self):
         return self
@@ -210,20 +217,23 @@ class Feed:
         return item
 
     def _start(self):
-        loader = self._ref()
+        loader = self._ref() if self._source is None else None
         probing = loader is not None and _stream.source_of(loader).probing()
         del loader
         if probing:
             self._sync = _stream.stream_batches(self._ref, consumer=self._consumer)
             return
-        stream = _stream.stream_batches(self._ref, consumer=self._consumer, stop=self._stop)
+        if self._source is not None:
+            stream, self._source = self._source, None
+        else:
+            stream = _stream.stream_batches(self._ref, consumer=self._consumer, stop=self._stop)
         self._queue = queue.Queue(self._depth)
         stop = self._stop
         weakref.finalize(self, stop.set)  # a dropped feed stops its thread
         self._thread = threading.Thread(
             target=_produce,
             args=(stream, self._ref, self._standardize, self._place, self._queue, stop),
-            name="kpipe-feed",
+            name=self._name,
             daemon=True,
         )
         self._thread.start()
@@ -274,7 +284,9 @@ def _produce(stream, ref, standardize, place, out, stop):
     except BaseException as exc:  # noqa: BLE001 - re-raised in the consuming thread
         _put(out, _Failure(exc), stop, ref)
     finally:
-        stream.close()
+        for done in (getattr(stream, "close", None), getattr(place, "close", None)):
+            if done is not None:
+                done()
 
 
 def _put(out, item, stop, ref):
@@ -285,6 +297,8 @@ def _put(out, item, stop, ref):
             out.put(item, timeout=_POLL_S)
             return True
         except queue.Full:
+            if ref is None:  # (a `source`: no loader)
+                continue
             loader = ref()
             gone = loader is None or _stream.source_of(loader).closed
             del loader

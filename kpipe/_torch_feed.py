@@ -77,9 +77,10 @@ def install():
         if getattr(self, "_kpipe_loader", None) is None:
             return original(self)
         copier = None if self._source().probing() else _copier()
-        if copier is not None:  # pinned memory, copied to the device ahead (kpipe/_torch_pin.py)
-            batches = _torch_pin.ahead_batches(self._get_iterator(), copier, wrap=wrappable)
-            return data_adapter_utils.get_torch_dataloader(batches)
+        if copier is not None:  # pinned memory, copied to the device ahead by a feed thread (kpipe/_torch_pin.py)
+            feed = _torch_pin.AheadCopy(None, copier, wrap=wrappable, loader_ref=self._kpipe_loader,
+                                        standardize=self._standardize_batch, consumer=self._kpipe_consumer)
+            return data_adapter_utils.get_torch_dataloader(feed)
         return data_adapter_utils.get_torch_dataloader(_tensors(b) for b in self._get_iterator())
 
     adapter.get_torch_dataloader = get_torch_dataloader

@@ -8,10 +8,14 @@ the step waits for the copy, and the driver stages pageable memory through its o
 pinned buffer. torch's `DataLoader(pin_memory=True)` pins each batch in a thread; the
 copy still runs in the step. Here an `AheadCopy` does both ahead of the step:
 
-- a thread reads the loader's batches (`depth` ahead at most: its queue holds `depth`
-  batches) and copies every leaf torch can wrap (`_torch_feed.wrappable`) into one pinned
-  host buffer per batch, taken from a pool of at most `depth + 1` buffers (reused; one
-  that is too small for a batch is replaced by one that fits);
+- it is the feed of the other backends (`kpipe._feed.Feed`: a thread per stream, a
+  bounded queue of `depth` batches in plan order, the consumer counting only what Keras
+  took, the read limit lifted when Keras asks past it, errors re-raised in Keras's thread)
+  with a pinning placement (`_Pinning`, as `kpipe._jax_feed` gives one that puts on JAX's
+  device): the thread standardizes each batch and copies every leaf torch can wrap
+  (`_torch_feed.wrappable`) into one pinned host buffer per batch, taken from a pool of at
+  most `depth + 1` buffers (reused; one that is too small for a batch is replaced by one
+  that fits);
 - it then issues `.to(device, non_blocking=True)` for each leaf on a side CUDA stream and
   records an event after them;
 - the consumer (Keras's trainer, in the main thread) gets the batches in order as tensors
@@ -27,8 +31,9 @@ copy still runs in the step. Here an `AheadCopy` does both ahead of the step:
 
 Leaves torch cannot wrap are handed over as they are (Keras converts them, as before).
 The thread stops at the end of its batches, on an error (raised by `next()` in order,
-after the batches before it), or when the consumer is closed or garbage collected;
-batches read ahead and not taken are dropped with it.
+after the batches before it), or when the consumer is closed or garbage collected (the
+consumer then waits for it: no thread is left); batches read ahead and not taken are
+dropped with it, and the copies in flight are waited for before their slots go back.
 
 The copier is injectable: `CudaCopier` does the CUDA calls (guarded by
 `torch.cuda.is_available()`); `CpuCopier` makes the CPU the "device" (pinning a no-op, the
@@ -55,10 +60,11 @@ import weakref
 
 import numpy as np
 
+from kpipe import _feed
+
 DEPTH = 2  # batches copied ahead of the step
 _ALIGN = 64  # bytes: each leaf's offset in a pinned buffer
 _ROUND = 1 << 16  # buffers are sized up to a multiple of this (a batch that grows a little reuses them)
-_POLL_S = 0.1
 _ENV = "KPIPE_TORCH_PIN"
 
 
@@ -202,6 +208,10 @@ def _is_array(x):
     return isinstance(x, np.ndarray)
 
 
+def _same(batch):
+    return batch
+
+
 class _Slot:
     __slots__ = ("i",)
 
@@ -213,52 +223,21 @@ class _Stopped(Exception):
     pass
 
 
-class _Worker:
-    """The thread's state (the consumer's `AheadCopy` holds it; it does not hold the
-    consumer, so dropping the consumer stops the thread)."""
+class _Pinning:
+    """The feed thread's placement (`kpipe._feed.Feed`'s `place`): a batch's leaves copied
+    into a pooled pinned buffer and sent to the device; (batch on the device, its leaves,
+    the copy's event). Holds the pool and the copies in flight; it does not hold the feed,
+    so dropping the feed stops the thread."""
 
-    def __init__(self, batches, copier, depth, wrap):
-        self.batches, self.copier, self.wrap, self.limit = batches, copier, wrap, depth + 1
-        self.queue = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
+    def __init__(self, copier, wrap, depth):
+        self.copier, self.wrap, self.limit = copier, wrap, depth + 1
+        self.stop = None  # the feed's stop event (AheadCopy sets it)
         self.free, self.made = [], 0  # the pool: idle buffers, buffers in existence
         self.flight = collections.deque()  # [event, buffer, source batch]: copies maybe not completed
         self.released = 0  # batches whose buffer and source were given back (tests)
         self.buffers_made = 0  # buffers allocated in all (tests: reuse)
 
-    def run(self):
-        try:
-            for batch in self.batches:
-                if self.stop.is_set():
-                    return
-                item = self.stage(batch)
-                del batch
-                if not self.put(("batch", item)):
-                    return
-            self.drain()
-            self.put(("end", None))
-        except _Stopped:
-            pass
-        except BaseException as exc:  # noqa: BLE001 -- raised by the consumer, in order
-            self.put(("error", exc))
-        finally:
-            close = getattr(self.batches, "close", None)
-            if close is not None:
-                close()  # (a generator: closed in the thread that ran it)
-            self.batches = None
-            self.drain()
-            self.free.clear()
-
-    def put(self, item):
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def stage(self, batch):
+    def __call__(self, batch, whole=False):
         from keras.src import tree
 
         picked = []
@@ -278,7 +257,7 @@ class _Worker:
             np.copyto(self.copier.view(buffer, *place), leaf, casting="no")
         leaves, event = self.copier.send(buffer, places)
         self.flight.append([event, buffer, batch])  # the slot's lease, until the copy completed
-        del batch
+        del batch, picked
         self.reclaim()
         out = tree.map_structure(lambda x: leaves[x.i] if isinstance(x, _Slot) else x, skeleton)
         return out, leaves, event
@@ -289,17 +268,19 @@ class _Worker:
             self.free.append(buffer)
             self.released += 1
 
-    def drain(self):
-        """Waits for every copy in flight, then gives their buffers and slots back."""
+    def close(self):
+        """Waits for every copy in flight, then gives their buffers and slots back (the
+        feed's thread, as it ends)."""
         for event, _, _ in self.flight:
             self.copier.wait(event)
         self.reclaim()
+        self.free.clear()
 
     def take(self, nbytes):
         """A buffer of at least `nbytes`: an idle one, a new one while fewer than the limit
         exist, else the oldest copy's once it completed."""
         while True:
-            if self.stop.is_set():
+            if self.stop is not None and self.stop.is_set():
                 raise _Stopped
             self.reclaim()
             for i, buffer in enumerate(self.free):
@@ -315,79 +296,79 @@ class _Worker:
             self.copier.wait(self.flight[0][0])
 
 
-def _stop(worker, thread):
-    worker.stop.set()
-    while True:  # unblock a put
-        try:
-            worker.queue.get_nowait()
-        except queue.Empty:
-            break
+def _stop(stop, thread, out):
+    stop.set()
     if thread is not threading.current_thread():
         thread.join(timeout=10)
+    while True:  # batches read ahead and not taken: dropped now
+        try:
+            out.get_nowait()
+        except queue.Empty:
+            break
 
 
-class AheadCopy:
-    """Batches (structures of arrays) copied to a device by a thread, `depth` ahead, in
-    order; see the NOTE above.
+class AheadCopy(_feed.Feed):
+    """Batches (structures of arrays) copied to a device by a feed thread (`kpipe._feed.Feed`
+    with a pinning placement), `depth` ahead, in order; see the NOTE above.
 
     Args:
-        batches: An iterator of batches (read in the thread; closed there if it has `close`).
+        batches: An iterator of batches (read in the thread, which starts at once; closed
+            there if it has `close`), or None: the stream of the loader behind `loader_ref`
+            (read from the first `next()`, as Keras's feeds read it).
         copier: `CudaCopier`, `CpuCopier` (or another object with their methods).
         depth: Batches copied ahead of the consumer at most (>= 1).
         wrap: Which leaves are copied (others are handed over as they are); default: every
             NumPy array (the torch feed passes `kpipe._torch_feed.wrappable`).
+        loader_ref, standardize, consumer: With `batches=None`: `kpipe._feed.Feed`'s (a weak
+            reference to the loader, Keras's batch standardization, the adapter's consumer).
     """
 
-    def __init__(self, batches, copier, depth=DEPTH, wrap=None):
+    def __init__(self, batches, copier, depth=DEPTH, wrap=None, *, loader_ref=None, standardize=None, consumer=None):
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"AheadCopy(depth={depth!r}): expected an int >= 1 (batches copied ahead)")
-        if wrap is None:
-            wrap = _is_array
+        if (batches is None) == (loader_ref is None):
+            raise ValueError(f"AheadCopy(batches={type(batches).__name__}, loader_ref={loader_ref!r}): give one "
+                             "of them (an iterator of batches, or a weak reference to a ProcessLoader)")
         self._copier = copier
-        self._worker = _Worker(batches, copier, depth, wrap)
-        self._thread = threading.Thread(target=self._worker.run, name="kpipe-torch-pin", daemon=True)
-        self._finalizer = weakref.finalize(self, _stop, self._worker, self._thread)
-        self._done = False
-        self._thread.start()
+        self._pin = _Pinning(copier, wrap if wrap is not None else _is_array, depth)
+        self._finalizer = None
+        super().__init__(loader_ref, standardize or _same, None, depth=depth, consumer=consumer, place=self._pin,
+                         source=batches, name="kpipe-torch-pin")
+        self._pin.stop = self._stop
+        if batches is not None:
+            self._start()
 
-    def __iter__(self):
-        return self
+    def _start(self):
+        super()._start()
+        if self._thread is not None:  # (none in a probe: read in the calling thread)
+            self._finalizer = weakref.finalize(self, _stop, self._stop, self._thread, self._queue)
 
     def __next__(self):
-        if self._done:
-            raise StopIteration
-        kind, item = self._worker.queue.get()
-        if kind == "batch":
-            out, leaves, event = item
-            self._copier.hand(leaves, event)
-            return out
-        self.close()
-        if kind == "error":
-            raise item
-        raise StopIteration
+        try:
+            out, leaves, event = super().__next__()
+        except BaseException:  # the end, or an error (raised after the batches before it)
+            self.close()
+            raise
+        self._copier.hand(leaves, event)
+        return out
 
     def close(self):
         """Stops the thread (batches read ahead are dropped) and waits for it."""
         self._done = True
-        self._finalizer()
+        self._stop.set()
+        if self._finalizer is not None:
+            self._finalizer()
+        else:  # no thread (not started, or a probe read in this thread): the copies in flight, here
+            self._pin.close()
 
     def alive(self):
         """Whether the thread runs."""
-        return self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def stats(self):
         """{"released": batches whose buffer and slot were given back, "buffers": buffers
         allocated in all, "in_flight": copies not known to be complete}."""
-        worker = self._worker
-        return {"released": worker.released, "buffers": worker.buffers_made, "in_flight": len(worker.flight)}
+        pin = self._pin
+        return {"released": pin.released, "buffers": pin.buffers_made, "in_flight": len(pin.flight)}
 
-
-def ahead_batches(batches, copier, depth=DEPTH, wrap=None):
-    """A generator over `AheadCopy(batches, copier, depth, wrap)` that starts the thread when first
-    read and stops it when closed or collected (Keras's torch `DataLoader` reads it)."""
-    ahead = AheadCopy(batches, copier, depth, wrap)
-    try:
-        yield from ahead
-    finally:
-        ahead.close()

@@ -3,7 +3,7 @@
 resuming mid-epoch in a new process, `Warmup`, `InputProfiler`, `kpipe.data` -- each
 ending with plain Keras's weights on PyTorch (byte for byte), TensorFlow-only names
 refused by name, and no TensorFlow in the process or the workers. Skipped where torch is
-not installed (CI does not install it: README, Other Keras backends)."""
+not installed (CI installs it with the `torch` extra in a line of its own: .ci/run)."""
 
 import importlib.util
 
@@ -16,7 +16,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(400),
     pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                       reason="torch is not installed (pip install torch --index-url https://download.pytorch.org/whl/cpu)"),
+                       reason="torch is not installed (pip install -e '.[torch]'; CI pins a CPU build: .ci/torch-constraints.txt)"),
 ]
 
 
@@ -78,7 +78,8 @@ def test_batches_handed_to_the_torch_trainer_are_tensors_over_the_slots_equal_th
     for byte; each kept batch held its own slot (24 through a loader with max_queue_size=2:
     the tensors are the slots' memory, not Keras's copy of it), all given back once dropped;
     training ends with plain Keras's weights (tests/programs/jax_feed_cases.py)."""
-    checks._outputs.run_program("jax_feed_cases.py", tmp_path, "--phase", "torch_handover", backend="torch", timeout=300)
+    checks._outputs.run_program("jax_feed_cases.py", tmp_path, "--phase", "torch_handover", backend="torch", timeout=300,
+                                env={"KPIPE_TORCH_PIN": "0"})  # (the ahead copy, forced on outside, copies by design)
     record, arrays = checks._outputs.read(tmp_path / "torch_handover", 0)
     assert record["backend"] == "torch" and record["kinds"] == ["Tensor"]
     assert record["taken"] == 24 and record["equal"] == [True] * 24
@@ -117,3 +118,40 @@ def test_the_ahead_copy_thread_is_gone_after_fit_whole_or_partial_epochs(tmp_pat
         assert record[f"{name}/threads_after_close"] == 0
     for i in range(2):
         assert arrays[f"whole/{i}"].tobytes() == arrays[f"plain/{i}"].tobytes()
+
+
+@pytest.mark.timeout(600)  # 226 s at load 4-8 on 2 cores
+def test_keras_upstream_pydataset_tests_pass_under_torch_plain_and_through_kpipe():
+    """tests/keras_upstream (Keras's own PyDataset tests, each case plain and through a
+    ProcessLoader) in a pytest of its own under KERAS_BACKEND=torch: the cases upstream runs
+    on PyTorch, its `multiprocessing` ones included (upstream skips them on TensorFlow and
+    JAX only)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           os.path.join(root, "tests", "keras_upstream")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=570)
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+
+
+@pytest.mark.parametrize("pin", ["cpu", "0"])
+def test_steps_per_epoch_takes_plain_keras_batches_with_the_ahead_copy_on_and_off(tmp_path, pin):
+    """`fit(epochs=3, steps_per_epoch=5)` over 12 batches (Keras carries its iterator over
+    epoch ends and runs out in the third): each epoch's loss and the final weights equal
+    plain Keras's, byte for byte, with the ahead copy's thread reading ahead (`cpu`) and
+    without it (`0`): no batch skipped, repeated or reordered at an epoch's end
+    (tests/programs/torch_steps_cases.py)."""
+    checks._outputs.run_program("torch_steps_cases.py", tmp_path, backend="torch", timeout=300,
+                                env={"KPIPE_TORCH_PIN": pin})
+    record, arrays = checks._outputs.read(tmp_path / "steps", 0)
+    assert record["mode"] == pin and len(record["plain/loss"]) == 3
+    assert record["kpipe/loss"] == record["plain/loss"]
+    for i in range(2):
+        assert arrays[f"kpipe/{i}"].tobytes() == arrays[f"plain/{i}"].tobytes()

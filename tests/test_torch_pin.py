@@ -31,6 +31,7 @@ class LaterCopier(_torch_pin._NumpyCopier):
     def __init__(self):
         self.lock = threading.Lock()
         self.pending = []  # [views, outs, done-event]
+        self.handed = []  # (event, thread name) of each hand-over
 
     def send(self, buffer, places):
         views = [self.view(buffer, *place) for place in places]
@@ -55,6 +56,7 @@ class LaterCopier(_torch_pin._NumpyCopier):
             self.complete(event)
 
     def hand(self, leaves, event):
+        self.handed.append((event, threading.current_thread().name))
         self.wait(event)  # the step's stream waits for the copy
 
 
@@ -120,6 +122,8 @@ def test_reads_are_bounded_buffers_reused_and_each_slot_released_only_once_its_c
     got = []
     for taken in range(n):
         got.append(next(ahead))
+        # the step's stream made to wait for each batch's own copy, in the consumer's thread
+        assert copier.handed == [(k, threading.current_thread().name) for k in range(taken + 1)]
         assert len(reads) <= taken + 1 + depth + 1
         assert ahead.stats["buffers"] <= depth + 1
     assert next(ahead, "end") == "end" and not ahead.alive()
@@ -168,19 +172,20 @@ def test_the_thread_stops_when_closed_or_dropped_and_closes_its_source():
     ahead.close()
     assert not ahead.alive() and closed == ["kpipe-torch-pin"]
 
-    batches = _torch_pin.ahead_batches(source(), LaterCopier(), depth=2)
+    # as Keras's torch DataLoader reads it: a generator over the feed, dropped mid-epoch
+    batches = (batch for batch in _torch_pin.AheadCopy(source(), LaterCopier(), depth=2))
     next(batches)
     assert len(pin_threads()) == 1
     del batches
     gc.collect()
-    until(lambda: pin_threads() == [], "the thread stops once its generator is dropped")
+    assert pin_threads() == []  # the drop waited for the thread
     assert len(closed) == 2
 
     ahead = _torch_pin.AheadCopy(source(), LaterCopier(), depth=2)
     next(ahead)
     del ahead
     gc.collect()
-    until(lambda: pin_threads() == [], "the thread stops once its AheadCopy is dropped")
+    assert pin_threads() == []
     assert len(closed) == 3
 
 
@@ -196,6 +201,8 @@ def test_the_switch_and_the_copier_for_a_device(monkeypatch):
         _torch_pin.mode()
     with pytest.raises(ValueError, match=r"AheadCopy\(depth=0\)"):
         _torch_pin.AheadCopy(iter([]), LaterCopier(), depth=0)
+    with pytest.raises(ValueError, match=r"AheadCopy\(batches=NoneType, loader_ref=None\): give one of them"):
+        _torch_pin.AheadCopy(None, LaterCopier())
 
 
 def test_the_cuda_copiers_torch_views_of_a_buffer_are_its_leaves_bytes():
