@@ -142,6 +142,38 @@ def test_feed_ends_each_stream_at_its_pass_and_keras_sees_every_batch_once(no_le
     assert seen == [list(range(7))] * 3
 
 
+
+class Unbounded(keras.utils.PyDataset):
+    """Batch i: 8 rows filled with i; `num_batches` None (infinite) or `n`."""
+
+    def __init__(self, n=None):
+        super().__init__()
+        self.n = n
+
+    @property
+    def num_batches(self):
+        return self.n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full((8, 6, 6, 3), i % 200, np.uint8), np.full((8,), i, np.int64)
+
+
+@needs_feed
+@pytest.mark.parametrize("n", [None, 40])
+def test_feed_counts_only_the_batches_keras_took_so_epochs_load_nothing_extra(no_leaks, n):
+    # The feed's thread reads ahead; the epochs' read limits start where Keras's own count
+    # (what the feed handed to Keras) is. Counted by what the thread read instead, each epoch's
+    # limit fell behind the stream: 23 loads and 5 discards for 15 steps, 17 batches handed out.
+    model = tiny_model()
+    with kpipe.ProcessLoader(Unbounded(n), workers=2) as loader:
+        model.fit(loader, epochs=3, steps_per_epoch=5, verbose=0)
+        stats = loader.stats()
+    assert (stats["batches"], stats["loads"], stats["discards"]) == (15, 15, 0)
+
+
 def test_split_rows_gives_contiguous_near_equal_parts_larger_first():
     a = np.arange(5)
     assert [p.tolist() for p in _feed._split_rows(a, 2)] == [[0, 1, 2], [3, 4]]
