@@ -202,6 +202,8 @@ def _class_names(directory, class_names):
 class _FileSource(Source):
     """Image files and their labels; reads and decodes a shard's files in parallel with TF ops."""
 
+    shuffles_samples = True  # (a stateless permutation of every file per epoch: `order` in _decoded.py)
+
     def __init__(self, directory, class_names, paths, labels, decoder, on_error, seed):
         self.what = f"from_files({directory!r})"
         self.class_names = class_names

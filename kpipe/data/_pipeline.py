@@ -76,7 +76,9 @@ def pipeline(
             `worker_threads`). Defaults to None (one per CPU core).
         shuffle: Shuffle buffer in samples, True for a default buffer (10,000 samples, or
             fewer so that it holds at most ~512 MiB), or None/False/0 for no shuffling.
-            Defaults to None.
+            `from_files` reads its files in a new uniformly random order every epoch, so
+            True adds no buffer there (a buffer of decoded images would only delay each
+            epoch's first batch until it filled); a number still adds one. Defaults to None.
         seed: Seed of the shuffle and of `py_map_fn`'s randomness: `random` and
             `numpy.random` are reseeded before each element from `(seed, iteration,
             element index)` (~11 us an element), so a seeded pipeline gives the same
@@ -151,7 +153,9 @@ def pipeline(
         sample_ds = source.build(shard)
     if cache:
         ds = ds.cache() if cache is True or cache == "memory" else ds.cache(_cache_path(cache, shard))
-    if shuffling:
+    if shuffling and not (shuffle is True and source is not None and source.shuffles_samples and not cache):
+        # (a source that permutes every sample needs no buffer: one of decoded images only made
+        # each epoch wait for it to fill -- 0.6-0.9 s for 851 images of 224x224 -- and held 512 MB)
         ds = ds.shuffle(_buffer_size(shuffle, ds.element_spec), seed=seed, reshuffle_each_iteration=True)
     if repeat is True:
         ds = ds.repeat()

@@ -22,6 +22,9 @@ class Source(abc.ABC):
 
     #: Short description used in error messages, e.g. "from_hdf5('train.h5')".
     what: str = "source"
+    #: Whether `build(shuffle=True)` permutes every sample (not blocks of them): its order is
+    #: then uniformly random each epoch, and `pipeline(shuffle=True)` adds no shuffle buffer.
+    shuffles_samples: bool = False
 
     @abc.abstractmethod
     def build(self, shard: ShardSpec, shuffle: bool = False, seed: Optional[int] = None):
