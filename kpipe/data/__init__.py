@@ -3,7 +3,8 @@
 * Sources, each a `tf.data.Dataset` of single samples, sharded where the data is
   addressed: `from_hdf5`, `from_numpy`, `from_files`, `from_tfrecord`, `from_packed`.
 * `pack`: an image folder into sharded HDF5 files of JPEG bytes (`kpipe pack`);
-  `PackedImages` reads them per sample with PIL or OpenCV, for `ProcessLoader.from_samples`.
+  `PackedImages` reads them per sample with PIL, OpenCV or simplejpeg, for
+  `ProcessLoader.from_samples`; `FolderImages` does the same over a folder's files.
 * `pipeline`: shard -> cache -> shuffle -> map -> batch -> prefetch with AUTOTUNE and a
   private thread pool, plus `py_map_fn` for Python/NumPy steps in worker processes.
 * `class_weights`: a `class_weight` dict for `fit()`.
@@ -20,6 +21,7 @@ Example:
 """
 
 from kpipe.data._files import from_files
+from kpipe.data._folder_images import FolderImages
 from kpipe.data._hdf5 import from_hdf5
 from kpipe.data._numpy import from_numpy
 from kpipe.data._pack import pack
@@ -31,6 +33,7 @@ from kpipe.data._tfrecord import from_tfrecord
 from kpipe.data._weights import class_weights
 
 __all__ = [
+    "FolderImages",
     "PackedImages",
     "ShardSpec",
     "class_weights",

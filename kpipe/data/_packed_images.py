@@ -145,6 +145,14 @@ class PackedImages:
 
     def __init__(self, paths, *, image_size=(224, 224), crop="random", scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
                  flip=False, center_fraction=0.875, seed=None, decoder="pil"):
+        self._configure(image_size, crop, scale, ratio, flip, center_fraction, seed, decoder)
+        self.files = expand_paths(paths, "paths", "packed HDF5")
+        self.class_names, labels, self._offsets = read_index(self.files)
+        self.labels = np.concatenate(labels).astype(np.int32)
+        self._starts = np.cumsum([0] + [len(x) for x in labels])
+
+    def _configure(self, image_size, crop, scale, ratio, flip, center_fraction, seed, decoder):
+        """Checks and keeps the decoding arguments (before any file is read)."""
         if (not isinstance(image_size, (tuple, list)) or len(image_size) != 2
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in image_size)):
             raise ValueError(f"`image_size` must be (height, width) of positive integers. Received: image_size={image_size!r}.")
@@ -155,10 +163,6 @@ class PackedImages:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"`seed` must be an integer or None. Received: seed={seed!r}.")
         _check_packages(decoder)  # ImportError here, not in a worker
-        self.files = expand_paths(paths, "paths", "packed HDF5")
-        self.class_names, labels, self._offsets = read_index(self.files)
-        self.labels = np.concatenate(labels).astype(np.int32)
-        self._starts = np.cumsum([0] + [len(x) for x in labels])
         self.image_size = tuple(image_size)
         self.crop, self.scale, self.ratio = crop, tuple(scale), tuple(ratio)
         self.log_ratio = (float(np.log(ratio[0])), float(np.log(ratio[1])))
