@@ -130,14 +130,13 @@ def sample_steps(folder, packed256, rounds, n):
     import numpy as np
 
     import kpipe.data
-    from _workloads.jpeg import FolderImages, _files
+    from _workloads.jpeg import folder_images
     from kpipe.data._packed_images import _DCT_RATIOS, jpeg_size
 
     decoders = ["pil", "cv2"] + (["simplejpeg"] if importlib.util.find_spec("simplejpeg") else [])
-    paths, labels = _files(folder)
     out = {}
     for decoder in decoders:
-        stores = {"folder": lambda **kw: FolderImages(paths, labels, decoder=decoder, **kw),
+        stores = {"folder": lambda **kw: folder_images(folder, decoder, **kw),
                   "packed-256": lambda **kw: kpipe.data.PackedImages(packed256, image_size=SIZE, crop="random", seed=0,
                                                                      decoder=decoder, **kw)}
         for store, make in stores.items():

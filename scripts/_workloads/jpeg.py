@@ -35,7 +35,7 @@ load of other processes on the machine disturbs less than the wall clock):
   grain-loader-packed  the same through grain.DataLoader(data_source=images, sampler=
                      IndexSampler(shuffle=True, num_epochs=None, seed=0), operations=[Batch(128)],
                      worker_count=--workers), timed the same way
-  kpipe-files-sj     ProcessLoader.from_samples over FolderImages: PackedImages's code
+  kpipe-files-sj     ProcessLoader.from_samples over kpipe.data.FolderImages: PackedImages's code
                      (decoder="simplejpeg") reading each image from the folder's file instead of
                      the pack: the same loader and augmentation over the two storages
 
@@ -56,8 +56,6 @@ import tempfile
 import time
 
 import numpy as np
-
-from kpipe.data import PackedImages
 
 HELP = "JPEG photos decoded to 224x224 (decode+resize, random-resized crop, packed)"
 SIZE = (224, 224)
@@ -122,24 +120,13 @@ class PilCrops:
         return np.asarray(im), self.labels[j]
 
 
-class FolderImages(PackedImages):
-    """`kpipe.data.PackedImages`'s decoding over the folder's files: `read(j)` is file j's bytes
-    (one open + read), so a loader's rows over the folder and over the pack differ in the
-    storage only (random-resized crop of the default scale and ratio)."""
+def folder_images(folder, decoder, flip=True):
+    """`kpipe.data.FolderImages` over the folder: `PackedImages`' decoding of the folder's files, so a
+    loader's rows over the folder and over the pack differ in the storage only (random-resized crop
+    of the default scale and ratio)."""
+    import kpipe.data
 
-    def __init__(self, paths, labels, image_size=SIZE, crop="random", flip=True, seed=0, decoder="simplejpeg"):
-        self.paths, self.labels = list(paths), np.asarray(labels, np.int32)
-        self.image_size, self.crop, self.flip, self.seed, self.decoder = tuple(image_size), crop, flip, seed, decoder
-        self.scale, self.ratio, self.center_fraction = (0.08, 1.0), (3 / 4, 4 / 3), 0.875
-        self.log_ratio = (float(np.log(3 / 4)), float(np.log(4 / 3)))
-        self.epoch, self._open, self._pid = 0, {}, None
-
-    def read(self, j):
-        with open(self.paths[j], "rb") as f:
-            return f.read()
-
-    def _close(self):
-        pass
+    return kpipe.data.FolderImages(folder, image_size=SIZE, crop="random", flip=flip, seed=0, decoder=decoder)
 
 
 def _bare(records, workers, epochs):
@@ -265,7 +252,7 @@ def run_row(row, ctx):
 
             records = kpipe.data.PackedImages(ctx["packed256"], image_size=SIZE, crop="random", flip=True, seed=0, decoder=decoder)
         elif row == "kpipe-files-sj":
-            records = FolderImages(*_files(ctx["folder"]), decoder=decoder)
+            records = folder_images(ctx["folder"], decoder)
         else:
             paths, labels = _files(ctx["folder"])
             records = PilCrops(paths, labels)
